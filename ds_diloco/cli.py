@@ -1,0 +1,74 @@
+"""The one CLI: ``ds-diloco <command>``. Thin: parse, build, run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _coordinator(args) -> int:
+    from ds_diloco.config import load_coordinator_config
+    from ds_diloco.server import serve_forever
+
+    cfg = load_coordinator_config(args.config)
+    serve_forever(cfg)
+    return 0
+
+
+def _demo(args) -> int:
+    from ds_diloco.demo import run_demo
+
+    return run_demo(args)
+
+
+def _bench(args) -> int:
+    if args.what == "coordinator":
+        from ds_diloco.bench.coordinator import main as bench_main
+
+        return bench_main(args)
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-diloco", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the outer-loop coordinator service")
+    c.add_argument("--config", required=True, help="YAML/JSON coordinator config")
+    c.set_defaults(fn=_coordinator)
+
+    d = sub.add_parser("demo", help="a short local run on real text (CPU)")
+    d.add_argument("--islands", type=int, default=3, help="number of islands")
+    d.add_argument("--steps", type=int, default=120, help="inner steps per island")
+    d.add_argument("--workdir", default="runs/demo", help="state, corpus cache, summary")
+    d.add_argument(
+        "--corpus", default=None, help="text file or folder (default: fetched Shakespeare)"
+    )
+    d.set_defaults(fn=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    b.add_argument("what", choices=["coordinator"])
+    b.add_argument("--fragment-mb", type=float, default=64.0, help="fragment size (fp32 MiB)")
+    b.add_argument("--contributions", type=int, default=4, help="K contributions per merge")
+    b.add_argument("--repeats", type=int, default=5)
+    b.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.fn(args)
+    except ValueError as e:  # config and input errors: one clear line, no traceback
+        print(f"ds-diloco: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Typed configs that validate themselves, loaded from YAML or JSON files.
+
+Every config is a ``kw_only`` dataclass with a docstring under each field;
+``__post_init__`` raises ``ValueError`` naming the field and the fix. Files are
+mapped onto the dataclasses by :func:`from_dict`, which rejects unknown keys
+with their dotted path, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, StalenessPolicy
+from ds_diloco.outer_optim import OuterOptimConfig
+from ds_diloco.round_policy import PolicyOptions
+
+TOKEN_ENV = "DS_DILOCO_TOKEN"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where the initial global model comes from: a pretrained folder or a config + seed."""
+
+    pretrained: str | None = None
+    """A Hugging Face model folder (config.json + safetensors) to start from."""
+    config: str | None = None
+    """A Hugging Face config.json (or a folder holding one) to initialise from scratch."""
+    seed: int = 0
+    """Seed of the from-scratch initialisation (ignored with ``pretrained``)."""
+
+    def __post_init__(self):
+        if (self.pretrained is None) == (self.config is None):
+            raise ValueError("model: set exactly one of 'pretrained' (a model folder) or 'config'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """The outer loop's service: model, fragments, merge rules, durability, limits."""
+
+    model: ModelSource
+    """The initial global model (used only when ``state_dir`` holds no state yet)."""
+    state_dir: str
+    """Durable state: global fragments, versions, outer optimizer state, island table."""
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 0
+    """Port to bind; 0 picks a free one (the bound address is logged and reported)."""
+    num_fragments: int = 24
+    """P: fragments the model is split into (the paper uses 24)."""
+    fragmentation: str = "balanced"
+    """'balanced' (greedy bin-packing by bytes) or 'layer' (contiguous blocks)."""
+    sync_every: int = 24
+    """H: inner steps between two syncs of the same fragment (told to the islands)."""
+    outer: OuterOptimConfig = dataclasses.field(default_factory=OuterOptimConfig)
+    """Outer optimizer (Nesterov SGD by default: lr 0.7, momentum 0.9)."""
+    policy: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
+    """When a round closes: minimum quorum K, grace window, and tau (the overlap the
+    islands use: inner steps between sending a fragment and applying its result)."""
+    staleness: StalenessPolicy = dataclasses.field(default_factory=StalenessPolicy)
+    """What happens to a pseudo-gradient computed against an older version."""
+    plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
+    """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
+    save_every_merges: int = 10
+    """Write changed fragments to ``state_dir`` after this many merges (and on SIGTERM)."""
+    max_body_mb: float = 1024.0
+    """Largest accepted request body, in MiB."""
+    island_timeout_s: float = 120.0
+    """An island not heard from for this long no longer counts as live for the quorum."""
+    token: str | None = None
+    """Bearer token; default: $DS_DILOCO_TOKEN, else a random one written to state_dir/token."""
+
+    def __post_init__(self):
+        if self.num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
+        if self.fragmentation not in ("balanced", "layer"):
+            raise ValueError(
+                f"fragmentation must be 'balanced' or 'layer', got {self.fragmentation!r}"
+            )
+        if self.sync_every % self.num_fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
+                f"({self.num_fragments}) so that one fragment is sent every H/P steps"
+            )
+        if self.policy.tau >= self.sync_every:
+            raise ValueError(
+                f"policy.tau ({self.policy.tau}) must be < sync_every ({self.sync_every}): "
+                "a fragment's result must be applied before the fragment is sent again"
+            )
+        if self.save_every_merges < 1:
+            raise ValueError(f"save_every_merges must be >= 1, got {self.save_every_merges}")
+        if self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if self.island_timeout_s <= 0:
+            raise ValueError(f"island_timeout_s must be > 0, got {self.island_timeout_s}")
+
+    def resolve_token(self) -> str:
+        """The bearer token: config, then environment, then state_dir/token (created)."""
+        if self.token:
+            return self.token
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV]
+        path = Path(self.state_dir) / "token"
+        if not path.exists():
+            import secrets
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+        return path.read_text().strip()
+
+
+def from_dict(cls, data: Any, where: str = ""):
+    """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by dotted path."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {', '.join(repr(where + k) for k in unknown)}; "
+            f"known: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, f"{where}{name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a missing required field
+        raise ValueError(f"{where or cls.__name__}: {e}") from None
+
+
+def _convert(hint, value, where: str):
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        return tuple(_convert(args[0], v, where) for v in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
+    if hint is int and isinstance(value, bool):
+        raise ValueError(f"{where}: expected int, got {value!r}")
+    return value
+
+
+def load_file(path: str | os.PathLike) -> dict:
+    """Read a YAML or JSON config file into a dict (JSON is YAML)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
+    data = load_file(path)
+    data = data.get("coordinator", data)
+    base = Path(path).resolve().parent
+    model = dict(data.get("model") or {})
+    for key in ("pretrained", "config"):  # paths in a file are relative to the file
+        if model.get(key) and not Path(model[key]).is_absolute():
+            candidate = base / model[key]
+            if candidate.exists():
+                model[key] = str(candidate)
+    if "model" in data:
+        data = {**data, "model": model}
+    return from_dict(CoordinatorConfig, data)

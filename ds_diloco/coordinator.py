@@ -1,0 +1,689 @@
+"""The coordinator (the paper's syncer): global fragments, rounds, merges. No sockets.
+
+Per fragment it holds the global values (one flat fp32 buffer, parameters
+whole, in the fragment's order), a version that grows by one per merge, the
+outer optimizer state, and the contributions of the open round. Uploads are
+one rank's ZeRO-3 slices; an island's contribution counts once all its ranks'
+slices for the same (fragment, base version, step) are in with agreeing
+counters. Rounds close per :func:`round_policy.decide`; merging uses
+:mod:`merge` and :mod:`outer_optim`.
+
+Thread model: every public method may be called from any thread (the HTTP
+server calls them from an executor). ``_lock`` guards bookkeeping and is never
+held during heavy math; each fragment's values are guarded by a readers-writer
+lock that a merge takes for writing only for its outer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import torch
+
+from ds_diloco import wire
+from ds_diloco.config import CoordinatorConfig
+from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
+from ds_diloco.merge import (
+    Segment,
+    is_plain_tensor,
+    merge_fragment,
+    staleness_weight,
+    token_weight,
+)
+from ds_diloco.outer_optim import build_outer_optimizer
+from ds_diloco.round_policy import Decision, Ema, RoundState, decide
+from ds_diloco.sharding import shard_numel, shard_range
+from ds_diloco.state_store import StateStore
+
+log = logging.getLogger(__name__)
+STATE_FORMAT = 1
+
+
+class CoordinatorError(Exception):
+    """A refused request: ``status`` is the HTTP status, the message names the problem."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class _RWLock:
+    """Many readers (downloads, saves) or one writer (a merge's outer step)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    def acquire_read(self):
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self):
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self):
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+
+    def release_write(self):
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class _Contribution:
+    island: str
+    world_size: int
+    base_version: int
+    step: int
+    tokens: int
+    steps: int
+    row: int
+    sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    complete_at: float | None = None
+
+    def counters(self) -> tuple[int, int, int, int]:
+        return (self.world_size, self.base_version, self.tokens, self.steps)
+
+
+@dataclasses.dataclass
+class _Island:
+    island: str
+    world_size: int
+    last_seen: float
+    last_step: int = 0
+    last_step_at: float | None = None
+    step_time: Ema = dataclasses.field(default_factory=Ema)
+    uploads: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    """(fragment, rank) -> last step received: anything not newer is a replay."""
+    merged: int = 0
+    dropped: int = 0
+    tokens_merged: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "last_step": self.last_step,
+            "merged": self.merged,
+            "dropped": self.dropped,
+            "tokens_merged": self.tokens_merged,
+            "uploads": [[f, r, s] for (f, r), s in sorted(self.uploads.items())],
+            "step_time": self.step_time.to_dict(),
+        }
+
+    @classmethod
+    def from_json(cls, island: str, d: dict, now: float) -> _Island:
+        isl = cls(island=island, world_size=d["world_size"], last_seen=now)
+        isl.last_step, isl.merged, isl.dropped = d["last_step"], d["merged"], d["dropped"]
+        isl.tokens_merged = d["tokens_merged"]
+        isl.uploads = {(f, r): s for f, r, s in d["uploads"]}
+        isl.step_time = Ema.from_dict(d["step_time"])
+        return isl
+
+
+class _FragmentState:
+    def __init__(self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns):
+        self.fragment = fragment
+        self.segments = [
+            Segment(p.name, off, p.numel) for p, off in zip(fragment.params, fragment.offsets)
+        ]
+        self.rda = [not is_plain_tensor(p.name, plain_patterns) for p in fragment.params]
+        self.values = values
+        self.optimizer = optimizer
+        self.version = 0
+        self.lock = _RWLock()
+        self.rows = torch.zeros(0, fragment.numel)
+        self.free_rows: list[int] = []
+        self.assembling: dict[str, _Contribution] = {}
+        self.complete: dict[str, _Contribution] = {}
+        self.merging = False
+        self.merges = 0
+        self.saved_version = -1
+        self.last_merge: dict = {}
+        self.grad = torch.empty(fragment.numel)
+
+    def take_row(self) -> int:
+        if not self.free_rows:  # grow: contributions of a new island (rare)
+            old = self.rows
+            cap = max(2, 2 * old.shape[0])
+            self.rows = torch.zeros(cap, old.shape[1])
+            self.rows[: old.shape[0]] = old
+            self.free_rows = list(range(cap - 1, old.shape[0] - 1, -1))
+        return self.free_rows.pop()
+
+    def give_row(self, row: int) -> None:
+        self.free_rows.append(row)
+        self.free_rows.sort(reverse=True)  # lowest rows first keeps merges reading few rows
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig, clock=time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.store = StateStore(cfg.state_dir)
+        self._lock = threading.Lock()
+        self._islands: dict[str, _Island] = {}
+        self._xi_quorum = Ema()
+        self._xi_sync = Ema()
+        self._merges_since_save = 0
+        self._closed = False
+        if self.store.exists():
+            self._load()
+        else:
+            self._init_from_model()
+
+    # ----------------------------------------------------------------- set-up
+    def _build_fragments(self, specs: list[ParamSpec]) -> None:
+        self.plan = FragmentPlan.build(specs, self.cfg.num_fragments, self.cfg.fragmentation)
+        self._frags: list[_FragmentState] = []
+
+    def _init_from_model(self) -> None:
+        from ds_diloco.hf_model import initial_params
+
+        named = initial_params(self.cfg.model)
+        self._build_fragments(param_specs(named))
+        tensors = dict(named)
+        for frag in self.plan.fragments:
+            values = torch.cat([tensors[p.name].reshape(-1) for p in frag.params])
+            self._frags.append(self._new_fragment_state(frag, values))
+        log.info("initialised %d fragments from %s", len(self._frags), self.cfg.model)
+        self.save(all_fragments=True)
+
+    def _new_fragment_state(self, frag: Fragment, values: torch.Tensor) -> _FragmentState:
+        opt = build_outer_optimizer(self.cfg.outer)
+        return _FragmentState(frag, values, opt, self.cfg.plain_patterns)
+
+    def _load(self) -> None:
+        state = self.store.read_json("coordinator.json")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"state_dir {self.cfg.state_dir}: unknown format {state.get('format')}"
+            )
+        plan = FragmentPlan.from_json(state["plan"])
+        if len(plan) != self.cfg.num_fragments or plan.strategy != self.cfg.fragmentation:
+            raise ValueError(
+                f"state_dir {self.cfg.state_dir} was written with {len(plan)} "
+                f"{plan.strategy!r} fragments; the config asks for {self.cfg.num_fragments} "
+                f"{self.cfg.fragmentation!r}: use a new state_dir or the old settings"
+            )
+        self.plan = plan
+        self._frags = []
+        hwm = self.store.read_json("versions.json") or {}
+        for frag in plan.fragments:
+            version, values, optim = self.store.read_fragment(frag.index)
+            fs = self._new_fragment_state(frag, values)
+            if optim:
+                fs.optimizer.load_state_dict(optim)
+            # A version may have been served after the last save: never reuse its number.
+            served = hwm.get(str(frag.index), version)
+            fs.version = served + 1 if served > version else version
+            fs.saved_version = version
+            fs.merges = state["merges"][frag.index]
+            self._frags.append(fs)
+        now = self.clock()
+        self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
+        self._xi_quorum = Ema.from_dict(state["xi_quorum"])
+        self._xi_sync = Ema.from_dict(state["xi_sync"])
+        log.info("resumed from %s at versions %s", self.cfg.state_dir, self.versions())
+
+    # ------------------------------------------------------------- persistence
+    def save(self, all_fragments: bool = False) -> int:
+        """Write changed fragments and the island table; returns fragments written."""
+        written = 0
+        for fs in self._frags:
+            fs.lock.acquire_read()
+            try:
+                if all_fragments or fs.version != fs.saved_version:
+                    self.store.write_fragment(
+                        fs.fragment.index, fs.version, fs.values, fs.optimizer.state_dict()
+                    )
+                    fs.saved_version = fs.version
+                    written += 1
+            finally:
+                fs.lock.release_read()
+        with self._lock:
+            state = {
+                "format": STATE_FORMAT,
+                "plan": self.plan.to_json(),
+                "signature": self.plan.signature,
+                "islands": {k: v.to_json() for k, v in self._islands.items()},
+                "merges": [fs.merges for fs in self._frags],
+                "xi_quorum": self._xi_quorum.to_dict(),
+                "xi_sync": self._xi_sync.to_dict(),
+            }
+            self._merges_since_save = 0
+        self.store.write_json("coordinator.json", state)
+        return written
+
+    # ------------------------------------------------------------------ islands
+    def register(self, island: str, world_size: int, signature: str) -> dict:
+        if not island or not isinstance(island, str) or len(island) > 128:
+            raise CoordinatorError(400, "island id must be a non-empty string of <= 128 chars")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise CoordinatorError(
+                400, f"world_size must be a positive integer, got {world_size!r}"
+            )
+        if signature != self.plan.signature:
+            raise CoordinatorError(
+                409,
+                f"parameter signature mismatch: the coordinator's model has signature "
+                f"{self.plan.signature[:16]} ({len(self.plan.specs)} tensors), the island sent "
+                f"{str(signature)[:16]}: the island's model names or shapes differ",
+            )
+        now = self.clock()
+        with self._lock:
+            isl = self._islands.get(island)
+            if isl is None or isl.world_size != world_size:
+                if isl is not None:
+                    log.info("island %s re-registers with world size %d", island, world_size)
+                self._drop_pending(island)
+                isl = _Island(island=island, world_size=world_size, last_seen=now)
+                self._islands[island] = isl
+            else:  # a restarted island may count its steps from an earlier checkpoint
+                isl.uploads.clear()
+                isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
+                self._drop_pending(island)
+        return {"island": island, "world_size": world_size, **self.plan_info()}
+
+    def plan_info(self) -> dict:
+        return {
+            "plan": self.plan.to_json(),
+            "signature": self.plan.signature,
+            "versions": self.versions(),
+            "schedule": {
+                "sync_every": self.cfg.sync_every,
+                "num_fragments": self.cfg.num_fragments,
+                "overlap": self.cfg.policy.tau,
+            },
+        }
+
+    def _drop_pending(self, island: str) -> None:
+        for fs in self._frags:
+            for table in (fs.assembling, fs.complete):
+                c = table.pop(island, None)
+                if c is not None:
+                    fs.give_row(c.row)
+
+    def _live_islands(self, now: float) -> int:
+        timeout = self.cfg.island_timeout_s
+        return sum(1 for i in self._islands.values() if now - i.last_seen <= timeout)
+
+    def versions(self) -> list[int]:
+        return [fs.version for fs in self._frags]
+
+    # ------------------------------------------------------------------ uploads
+    def upload(self, body: bytes) -> dict:
+        """Validate and take in one rank's slices; refuses with CoordinatorError."""
+        try:
+            h, slices = wire.decode_upload(body)
+        except wire.WireError as e:
+            raise CoordinatorError(400, str(e)) from None
+        fs = self._fragment(h.fragment)
+        self._check_shape(h, fs.fragment, slices)
+        sq = self._check_values(fs, slices, h)  # before any state changes
+
+        now = self.clock()
+        with self._lock:
+            isl = self._islands.get(h.island)
+            if isl is None:
+                raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
+            if h.world_size != isl.world_size:
+                raise CoordinatorError(
+                    422,
+                    f"island {h.island!r} registered with world size {isl.world_size}, "
+                    f"the upload says {h.world_size}",
+                )
+            last = isl.uploads.get((h.fragment, h.rank))
+            if last is not None and h.step <= last:
+                raise CoordinatorError(
+                    409,
+                    f"replayed upload: island {h.island!r} rank {h.rank} already sent fragment "
+                    f"{h.fragment} at step {last}; this one is for step {h.step}",
+                )
+            if h.base_version > fs.version:
+                raise CoordinatorError(
+                    409,
+                    f"base version {h.base_version} of fragment {h.fragment} is from the future: "
+                    f"the current version is {fs.version}",
+                )
+            cur = fs.assembling.get(h.island)
+            if cur is not None and cur.step == h.step and cur.counters() != self._counters(h):
+                raise CoordinatorError(
+                    409,
+                    f"counters disagree for island {h.island!r} fragment {h.fragment} step "
+                    f"{h.step}: (world_size, base_version, tokens, steps) = "
+                    f"{self._counters(h)} but earlier ranks sent {cur.counters()}",
+                )
+            # Accepted from here on: nothing below refuses.
+            isl.uploads[(h.fragment, h.rank)] = h.step
+            isl.last_seen = now
+            if h.step > isl.last_step:
+                if isl.last_step_at is not None and isl.last_step > 0:
+                    isl.step_time.update((now - isl.last_step_at) / (h.step - isl.last_step))
+                isl.last_step, isl.last_step_at = h.step, now
+            weight, why = self._weight(h, fs.version)
+            if weight == 0.0:
+                isl.dropped += 1
+                return self._reply("dropped", fs, why)
+            if cur is not None and cur.step > h.step:
+                isl.dropped += 1
+                return self._reply("dropped", fs, f"superseded by step {cur.step} of this island")
+            if cur is None or cur.step < h.step:
+                if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
+                    fs.give_row(cur.row)
+                cur = _Contribution(
+                    island=h.island,
+                    world_size=h.world_size,
+                    base_version=h.base_version,
+                    step=h.step,
+                    tokens=h.tokens,
+                    steps=h.steps,
+                    row=fs.take_row(),
+                    sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
+                )
+                fs.assembling[h.island] = cur
+            row = fs.rows[cur.row]
+            for seg, (start, end) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
+                row[seg.offset + start : seg.offset + end].copy_(slices[seg.name])
+            cur.sq_norms += sq
+            cur.ranks.add(h.rank)
+            complete = len(cur.ranks) == cur.world_size
+            if complete:
+                del fs.assembling[h.island]
+                cur.complete_at = now
+                old = fs.complete.pop(h.island, None)
+                if old is not None:  # the island's newer pseudo-gradient replaces its older one
+                    fs.give_row(old.row)
+                fs.complete[h.island] = cur
+            return self._reply("accepted", fs, why, complete=complete, weight=weight)
+
+    @staticmethod
+    def _counters(h: wire.UploadHeader) -> tuple[int, int, int, int]:
+        return (h.world_size, h.base_version, h.tokens, h.steps)
+
+    @staticmethod
+    def _reply(status: str, fs: _FragmentState, reason: str, **extra) -> dict:
+        return {"status": status, "reason": reason, "version": fs.version, **extra}
+
+    def _weight(self, h: wire.UploadHeader, version: int) -> tuple[float, str]:
+        if h.tokens == 0:
+            return 0.0, "no tokens trained since the last sync"
+        return staleness_weight(
+            token_weight(h.tokens, h.steps), version - h.base_version, self.cfg.staleness
+        )
+
+    def _fragment(self, index: int) -> _FragmentState:
+        if not 0 <= index < len(self._frags):
+            raise CoordinatorError(404, f"unknown fragment {index}: there are {len(self._frags)}")
+        return self._frags[index]
+
+    @staticmethod
+    def _ranges(fs: _FragmentState, world_size: int, rank: int):
+        return [shard_range(s.numel, world_size, rank) for s in fs.segments]
+
+    def _check_shape(self, h: wire.UploadHeader, frag: Fragment, slices) -> None:
+        if not 0 <= h.rank < h.world_size:
+            raise CoordinatorError(422, f"rank {h.rank} is outside world size {h.world_size}")
+        if h.step < 1 or h.steps < 1 or h.tokens < 0 or h.base_version < 0:
+            raise CoordinatorError(
+                422,
+                f"counters out of range: step {h.step} and steps {h.steps} must be >= 1, "
+                f"tokens {h.tokens} and base_version {h.base_version} must be >= 0",
+            )
+        names = set(frag.names)
+        missing, extra = sorted(names - set(slices)), sorted(set(slices) - names)
+        if missing or extra:
+            raise CoordinatorError(
+                422,
+                f"fragment {frag.index} slices do not match the plan: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}",
+            )
+        for p in frag.params:
+            t = slices[p.name]
+            want = shard_numel(p.numel, h.world_size, h.rank)
+            if t.dtype != torch.float32:
+                raise CoordinatorError(422, f"slice {p.name!r} has dtype {t.dtype}, expected F32")
+            if t.dim() != 1 or t.numel() != want:
+                raise CoordinatorError(
+                    422,
+                    f"slice {p.name!r} has shape {list(t.shape)}, expected [{want}] for rank "
+                    f"{h.rank} of world size {h.world_size} (no padding)",
+                )
+
+    @staticmethod
+    def _check_values(fs: _FragmentState, slices, h) -> torch.Tensor:
+        """Squared norms per tensor slice; a non-finite sum means NaN/Inf somewhere."""
+        sq = torch.empty(len(fs.segments), dtype=torch.float64)
+        for i, seg in enumerate(fs.segments):
+            t = slices[seg.name]
+            sq[i] = torch.dot(t, t).double() if t.numel() else 0.0
+        if not torch.isfinite(sq).all():
+            bad = next(
+                s.name
+                for s, v in zip(fs.segments, sq.tolist())
+                if not torch.isfinite(torch.tensor(v))
+            )
+            raise CoordinatorError(
+                422, f"slice {bad!r} from island {h.island!r} rank {h.rank} holds NaN or Inf"
+            )
+        return sq
+
+    # ---------------------------------------------------------------- downloads
+    def download(self, fragment: int, world_size: int, rank: int) -> tuple[int, bytes]:
+        """(version, safetensors body) of the slices that ``rank`` of ``world_size`` owns."""
+        fs = self._fragment(fragment)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise CoordinatorError(422, f"rank {rank} is outside world size {world_size}")
+        fs.lock.acquire_read()
+        try:
+            version = fs.version
+            slices = {
+                s.name: fs.values[s.offset + a : s.offset + b]
+                for s, (a, b) in zip(fs.segments, self._ranges(fs, world_size, rank))
+            }
+            header = wire.FragmentHeader(
+                fragment=fragment, version=version, world_size=world_size, rank=rank
+            )
+            return version, wire.encode_fragment(header, slices)
+        finally:
+            fs.lock.release_read()
+
+    def touch(self, island: str) -> None:
+        with self._lock:
+            isl = self._islands.get(island)
+            if isl is not None:
+                isl.last_seen = self.clock()
+
+    # ------------------------------------------------------------------- rounds
+    def round_state(self, index: int, now: float) -> RoundState:
+        fs = self._frags[index]
+        live = self._live_islands(now)
+        times = sorted(c.complete_at for c in fs.complete.values())
+        quorum = max(1, min(self.cfg.policy.min_quorum, live))
+        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
+        return RoundState(
+            live_islands=live,
+            contributors=len(times),
+            first_arrival=times[0] if times else None,
+            quorum_at=times[quorum - 1] if len(times) >= quorum else None,
+            xi_step=min(steps) if steps else None,  # the fastest island must not wait
+            xi_quorum=self._xi_quorum.value,
+            xi_sync=self._xi_sync.value,
+        )
+
+    def decide(self, index: int, now: float | None = None) -> Decision:
+        now = self.clock() if now is None else now
+        with self._lock:
+            if self._frags[index].merging:
+                return Decision(False, None, "merge in progress")
+            return decide(now, self.round_state(index, now), self.cfg.policy)
+
+    def poll(self, index: int) -> Decision:
+        """Merge fragment ``index`` if its round should close now; returns the decision."""
+        fs = self._frags[index]
+        now = self.clock()
+        with self._lock:
+            if fs.merging:
+                return Decision(False, None, "merge in progress")
+            state = self.round_state(index, now)
+            decision = decide(now, state, self.cfg.policy)
+            if not decision.merge:
+                return decision
+            contribs = list(fs.complete.values())
+            fs.complete.clear()
+            fs.merging = True
+            version = fs.version
+        try:
+            self._merge(fs, contribs, version, state, decision, now)
+        finally:
+            with self._lock:
+                fs.merging = False
+                for c in contribs:
+                    fs.give_row(c.row)
+        if self._merges_since_save >= self.cfg.save_every_merges:
+            self.save()
+        return decision
+
+    def _merge(self, fs, contribs, version, state: RoundState, decision: Decision, now) -> None:
+        t0 = time.perf_counter()
+        hi = max(c.row for c in contribs) + 1
+        weights = torch.zeros(hi, dtype=torch.float64)
+        sq = torch.zeros(hi, len(fs.segments), dtype=torch.float64)
+        reasons = {}
+        for c in contribs:
+            w, why = staleness_weight(
+                token_weight(c.tokens, c.steps), version - c.base_version, self.cfg.staleness
+            )
+            weights[c.row] = w
+            sq[c.row] = c.sq_norms
+            reasons[c.island] = why
+        if weights.sum() <= 0:
+            log.warning("fragment %d: round closed with zero total weight", fs.fragment.index)
+            return
+        grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
+        fs.lock.acquire_write()
+        try:
+            fs.optimizer.step(fs.values, grad)
+            # The number must be durable before anyone can see it: versions never go back.
+            with self._lock:
+                served = {str(f.fragment.index): f.version for f in self._frags}
+            served[str(fs.fragment.index)] = version + 1
+            self.store.write_json("versions.json", served)
+            fs.version = version + 1
+        finally:
+            fs.lock.release_write()
+        sync = time.perf_counter() - t0
+        with self._lock:
+            fs.merges += 1
+            self._merges_since_save += 1
+            self._xi_sync.update(sync)
+            if state.quorum_at is not None and state.first_arrival is not None:
+                self._xi_quorum.update(state.quorum_at - state.first_arrival)
+            for c in contribs:
+                isl = self._islands.get(c.island)
+                if isl is not None and weights[c.row] > 0:
+                    isl.merged += 1
+                    isl.tokens_merged += c.tokens
+            fs.last_merge = {
+                "version": version + 1,
+                "islands": sorted(c.island for c in contribs),
+                "weights": {c.island: float(weights[c.row]) for c in contribs},
+                "staleness": reasons,
+                "reason": decision.reason,
+                "seconds": sync,
+            }
+            if self.cfg.staleness.mode == "drop":  # unfinished ones can only be stale now
+                for island, c in list(fs.assembling.items()):
+                    if c.base_version < fs.version:
+                        del fs.assembling[island]
+                        fs.give_row(c.row)
+        log.info(
+            "fragment %d -> v%d from %s (%s) in %.3fs",
+            fs.fragment.index,
+            version + 1,
+            ",".join(sorted(c.island for c in contribs)),
+            decision.reason,
+            sync,
+        )
+
+    def next_wakeup(self) -> float | None:
+        """Earliest time a waiting round may close (None: nothing waits on a clock)."""
+        now = self.clock()
+        wake = None
+        for i in range(len(self._frags)):
+            d = self.decide(i, now)
+            t = now if d.merge else d.wait_until
+            if t is not None:
+                wake = t if wake is None else min(wake, t)
+        return wake
+
+    def due_fragments(self) -> list[int]:
+        now = self.clock()
+        return [i for i in range(len(self._frags)) if self.decide(i, now).merge]
+
+    # -------------------------------------------------------------- inspection
+    def global_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the global parameters, full shapes (for tests and export)."""
+        out = {}
+        for fs in self._frags:
+            fs.lock.acquire_read()
+            try:
+                for seg, spec in zip(fs.segments, fs.fragment.params):
+                    out[seg.name] = (
+                        fs.values[seg.offset : seg.offset + seg.numel].clone().view(spec.shape)
+                    )
+            finally:
+                fs.lock.release_read()
+        return out
+
+    def status(self) -> dict:
+        now = self.clock()
+        with self._lock:
+            live_timeout = self.cfg.island_timeout_s
+            return {
+                "versions": self.versions(),
+                "merges": [fs.merges for fs in self._frags],
+                "num_fragments": len(self._frags),
+                "signature": self.plan.signature,
+                "islands": {
+                    k: {
+                        "world_size": v.world_size,
+                        "live": now - v.last_seen <= live_timeout,
+                        "last_seen_s": round(now - v.last_seen, 3),
+                        "last_step": v.last_step,
+                        "step_time_s": v.step_time.value,
+                        "merged": v.merged,
+                        "dropped": v.dropped,
+                        "tokens_merged": v.tokens_merged,
+                    }
+                    for k, v in self._islands.items()
+                },
+                "pending": {
+                    str(i): {
+                        "complete": sorted(fs.complete),
+                        "assembling": {k: sorted(c.ranks) for k, c in fs.assembling.items()},
+                    }
+                    for i, fs in enumerate(self._frags)
+                    if fs.complete or fs.assembling
+                },
+                "last_merge": {
+                    str(i): fs.last_merge for i, fs in enumerate(self._frags) if fs.last_merge
+                },
+                "xi_quorum_s": self._xi_quorum.value,
+                "xi_sync_s": self._xi_sync.value,
+            }

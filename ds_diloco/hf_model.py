@@ -1,0 +1,36 @@
+"""Hugging Face models: build one from a config or a folder, whole, on the CPU.
+
+The coordinator uses this once, to create the initial global model; islands
+build theirs partitioned under ZeRO-3. Names come from ``named_parameters()``,
+which lists tied weights once, exactly as a DeepSpeed engine's module does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ds_diloco.config import ModelSource
+
+
+def build_model(source: ModelSource):
+    """A float32 causal LM on the CPU from a pretrained folder or from a config + seed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.pretrained:
+        if not os.path.isdir(source.pretrained):
+            raise ValueError(f"model.pretrained {source.pretrained!r} is not a folder")
+        return AutoModelForCausalLM.from_pretrained(source.pretrained, dtype=torch.float32)
+    path = source.config
+    if not os.path.exists(path):
+        raise ValueError(f"model.config {path!r} does not exist")
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(source.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def initial_params(source: ModelSource) -> list[tuple[str, torch.Tensor]]:
+    """(name, fp32 tensor) in model order, detached from the model."""
+    model = build_model(source)
+    return [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]

@@ -1,0 +1,171 @@
+"""When a fragment's round closes: a pure function of (now, state, options).
+
+Like torchft's ``quorum_compute``, ``decide`` returns the decision and a
+reason string, and touches no clock, socket or lock, so the coordinator's
+timing rules are unit-tested directly.
+
+Rule (Decoupled DiLoCo): merge once the minimum quorum K of islands has
+contributed, after an adaptive grace window that picks up more islands only
+while no island would have to wait for the result; merge at once when every
+live island is in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class Ema:
+    """Exponential moving average: value <- alpha * x + (1 - alpha) * value.
+
+    The first sample is taken as is, so there is no bias towards a made-up start.
+    """
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"Ema alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._value: float | None = None
+
+    @property
+    def value(self) -> float | None:
+        """None until the first sample."""
+        return self._value
+
+    def update(self, x: float) -> float:
+        if not math.isfinite(x):
+            raise ValueError(f"Ema sample must be finite, got {x}")
+        if self._value is None:
+            self._value = float(x)
+        else:
+            self._value = self.alpha * x + (1 - self.alpha) * self._value
+        return self._value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "value": self._value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Ema:
+        ema = cls(float(d["alpha"]))
+        value = d.get("value")
+        ema._value = None if value is None else float(value)
+        return ema
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyOptions:
+    """How long a fragment's round stays open."""
+
+    min_quorum: int = 1
+    """K, contributions needed before a merge; K = number of islands gives synchronous DiLoCo."""
+
+    grace_gamma: float = 0.5
+    """Safety factor on the slack, 0 <= gamma < 1; 0 disables the grace window."""
+
+    max_grace_s: float = 5.0
+    """Cap on the grace window, seconds (>= 0)."""
+
+    tau: int = 2
+    """Inner steps between an island sending a fragment and applying its merged result."""
+
+    def __post_init__(self) -> None:
+        if self.min_quorum < 1:
+            raise ValueError(f"PolicyOptions.min_quorum must be >= 1, got {self.min_quorum}")
+        if not 0 <= self.grace_gamma < 1:
+            raise ValueError(
+                f"PolicyOptions.grace_gamma must be in [0, 1) (0 disables grace), "
+                f"got {self.grace_gamma}"
+            )
+        if not (math.isfinite(self.max_grace_s) and self.max_grace_s >= 0):
+            raise ValueError(f"PolicyOptions.max_grace_s must be >= 0, got {self.max_grace_s}")
+        if self.tau < 1:
+            raise ValueError(f"PolicyOptions.tau must be >= 1 inner step, got {self.tau}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundState:
+    """What the coordinator knows about one fragment's open round."""
+
+    live_islands: int
+    """Registered islands that may still contribute to this round."""
+
+    contributors: int
+    """Islands with a complete, counted contribution in the open round."""
+
+    first_arrival: float | None = None
+    """Time of the round's first contribution (None before it)."""
+
+    quorum_at: float | None = None
+    """Time the quorum min(K, live) was first reached (None before it)."""
+
+    xi_step: float | None = None
+    """EMA of one inner step, seconds (None until measured)."""
+
+    xi_quorum: float | None = None
+    """EMA of the time from a round's first contribution to its quorum, seconds."""
+
+    xi_sync: float | None = None
+    """EMA of one merge + publish, seconds."""
+
+    def __post_init__(self) -> None:
+        if self.live_islands < 0 or self.contributors < 0:
+            raise ValueError(
+                "RoundState.live_islands and contributors must be >= 0, got "
+                f"{self.live_islands} and {self.contributors}"
+            )
+
+
+@dataclass(frozen=True)
+class Decision:
+    merge: bool
+    wait_until: float | None  # when to decide again; None: only when something arrives
+    reason: str
+
+
+def grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str]:
+    """Extra wait after quorum that costs no island a step: gamma * max(slack, 0), capped.
+
+    slack = tau * xi_step - (xi_quorum + xi_sync) is the time left before the
+    result is needed; unknown quorum or sync times count as 0.
+    """
+    if opts.grace_gamma == 0:
+        return 0.0, "grace disabled (gamma=0)"
+    if state.xi_step is None:
+        return 0.0, "no step-time estimate yet"
+    xq = state.xi_quorum or 0.0
+    xs = state.xi_sync or 0.0
+    slack = opts.tau * state.xi_step - (xq + xs)
+    grace = opts.grace_gamma * max(slack, 0.0)
+    why = (
+        f"gamma {opts.grace_gamma:g} x max({opts.tau} x step {state.xi_step:.3f}s"
+        f" - (quorum {xq:.3f}s + sync {xs:.3f}s), 0)"
+    )
+    if grace > opts.max_grace_s:
+        return opts.max_grace_s, f"grace {opts.max_grace_s:.3f}s (capped; {why} = {grace:.3f}s)"
+    return grace, f"grace {grace:.3f}s = {why}"
+
+
+def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
+    """Merge now, or wait (until ``wait_until``, or until the next arrival when None)."""
+    c, live, k = state.contributors, state.live_islands, opts.min_quorum
+    if c == 0:
+        return Decision(False, None, "no contribution yet")
+    # A dead island must never make the others wait: the quorum is capped by the live ones.
+    quorum = max(1, min(k, live))
+    k_desc = f"K={k}" if quorum == k else f"K={k} capped to {quorum} live islands"
+    if c < quorum:
+        return Decision(False, None, f"quorum {c}/{quorum} ({k_desc})")
+    if c >= live:
+        extra = f" ({c} contributions)" if c != live else ""
+        return Decision(True, None, f"all {live} live islands in{extra}")
+    grace, grace_why = grace_window(state, opts)
+    quorum_at = now if state.quorum_at is None else state.quorum_at
+    deadline = quorum_at + grace
+    head = f"quorum {c}/{quorum} ({k_desc}) reached, {c}/{live} live islands in"
+    if now >= deadline:
+        return Decision(True, None, f"{head}; grace over: {grace_why}")
+    return Decision(
+        False, deadline, f"{head}; waiting {deadline - now:.3f}s more for stragglers: {grace_why}"
+    )

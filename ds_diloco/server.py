@@ -1,0 +1,236 @@
+"""The coordinator's HTTP service (aiohttp). Wire API: docs/wire-api.md.
+
+The event loop only moves bytes: decoding, validation, slicing and merges run
+in a thread pool, so health, status and downloads keep being served while a
+fragment merges. A small round loop closes rounds when the policy says so:
+right after a contribution completes, and at the grace-window deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+
+from aiohttp import web
+
+from ds_diloco.config import CoordinatorConfig
+from ds_diloco.coordinator import Coordinator, CoordinatorError
+
+log = logging.getLogger(__name__)
+VERSION_HEADER = "X-DS-Diloco-Version"
+_IDLE_POLL_S = 0.25  # liveness changes (an island timing out) are noticed this fast
+
+
+class CoordinatorServer:
+    def __init__(self, coordinator: Coordinator, token: str, max_body_bytes: int, workers: int = 4):
+        self.coord = coordinator
+        self._token = token.encode()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="coord")
+        self._kick: asyncio.Event | None = None
+        self._round_task: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[self._errors, self._auth]
+        )
+        self.app.add_routes(
+            [
+                web.get("/healthz", self.health),
+                web.get("/v1/status", self.status),
+                web.get("/v1/plan", self.plan),
+                web.get("/v1/versions", self.versions),
+                web.post("/v1/islands", self.register),
+                web.post("/v1/upload", self.upload),
+                web.get("/v1/fragments/{fragment}", self.download),
+            ]
+        )
+
+    # ---------------------------------------------------------------- plumbing
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except CoordinatorError as e:
+            return web.json_response({"error": str(e)}, status=e.status)
+        except web.HTTPRequestEntityTooLarge as e:
+            return web.json_response(
+                {"error": f"request body too large: {e.text} (max_body_mb in the config)"},
+                status=413,
+            )
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return web.json_response({"error": e.text or e.reason}, status=e.status)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            if not header.startswith("Bearer "):
+                raise CoordinatorError(401, "missing bearer token (Authorization: Bearer ...)")
+            if not hmac.compare_digest(header[len("Bearer ") :].encode(), self._token):
+                raise CoordinatorError(401, "wrong bearer token")
+        return await handler(request)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ routes
+    async def health(self, request):
+        return web.json_response({"ok": True, "versions": self.coord.versions()})
+
+    async def status(self, request):
+        return web.json_response(await self._run(self.coord.status))
+
+    async def plan(self, request):
+        return web.json_response(self.coord.plan_info())
+
+    async def versions(self, request):
+        island = request.query.get("island")
+        if island:
+            self.coord.touch(island)
+        return web.json_response({"versions": self.coord.versions()})
+
+    async def register(self, request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise CoordinatorError(400, "register: body must be JSON") from None
+        if not isinstance(body, dict):
+            raise CoordinatorError(400, "register: body must be a JSON object")
+        missing = [k for k in ("island", "world_size", "signature") if k not in body]
+        if missing:
+            raise CoordinatorError(400, f"register: missing field(s) {missing}")
+        reply = await self._run(
+            self.coord.register, body["island"], body["world_size"], body["signature"]
+        )
+        return web.json_response(reply)
+
+    async def upload(self, request):
+        body = await request.read()
+        reply = await self._run(self.coord.upload, body)
+        if reply.get("complete"):
+            self._kick.set()
+        return web.json_response(reply)
+
+    async def download(self, request):
+        try:
+            fragment = int(request.match_info["fragment"])
+            world_size = int(request.query["world_size"])
+            rank = int(request.query["rank"])
+            after = int(request.query["after"]) if "after" in request.query else None
+        except (KeyError, ValueError):
+            raise CoordinatorError(
+                400, "download: need integer fragment, ?world_size=W&rank=R (and optional after=V)"
+            ) from None
+        if request.query.get("island"):
+            self.coord.touch(request.query["island"])
+        versions = self.coord.versions()
+        if after is not None and 0 <= fragment < len(versions) and versions[fragment] <= after:
+            return web.Response(status=304, headers={VERSION_HEADER: str(after)})
+        version, body = await self._run(self.coord.download, fragment, world_size, rank)
+        return web.Response(
+            body=body,
+            content_type="application/octet-stream",
+            headers={VERSION_HEADER: str(version)},
+        )
+
+    # -------------------------------------------------------------- round loop
+    async def _round_loop(self):
+        loop = asyncio.get_running_loop()
+        busy: dict[int, asyncio.Future] = {}
+        while True:
+            for i in await self._run(self.coord.due_fragments):
+                if i not in busy:
+                    busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i)
+                    busy[i].add_done_callback(lambda _f, i=i: self._merge_done(busy, i))
+            wake = await self._run(self.coord.next_wakeup)
+            delay = _IDLE_POLL_S if wake is None else max(0.0, wake - self.coord.clock())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=min(delay, _IDLE_POLL_S))
+            self._kick.clear()
+
+    def _merge_done(self, busy, i):
+        fut = busy.pop(i)
+        if fut.exception() is not None:
+            log.error("merge of fragment %d failed", i, exc_info=fut.exception())
+        self._kick.set()
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._kick = asyncio.Event()
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self._round_task = asyncio.create_task(self._round_loop())
+        bound = site._server.sockets[0].getsockname()
+        return bound[0], bound[1]
+
+    async def stop(self, save: bool = True) -> None:
+        if self._round_task is not None:
+            self._round_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._round_task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._pool.shutdown(wait=True)
+        if save:
+            self.coord.save()
+
+
+def build_server(cfg: CoordinatorConfig) -> CoordinatorServer:
+    coord = Coordinator(cfg)
+    return CoordinatorServer(coord, cfg.resolve_token(), int(cfg.max_body_mb * 1024 * 1024))
+
+
+def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
+    """Run until SIGTERM/SIGINT, then save the state and exit (the CLI's coordinator)."""
+
+    async def main():
+        server = build_server(cfg)
+        host, port = await server.start(cfg.host, cfg.port)
+        log.info("coordinator listening on http://%s:%d", host, port)
+        if ready is not None:
+            ready(host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping: saving state to %s", cfg.state_dir)
+        await server.stop(save=True)
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """A coordinator on its own event loop in a background thread (tests, demos, benches)."""
+
+    def __init__(self, cfg: CoordinatorConfig):
+        self.cfg = cfg
+        self.server = build_server(cfg)
+        self.coord = self.server.coord
+        self.token = cfg.resolve_token()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self.server.start(cfg.host, cfg.port), self._loop)
+        self.host, self.port = fut.result(timeout=30)
+        self.url = f"http://{self.host}:{self.port}"
+
+    def stop(self, save: bool = True) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self.server.stop(save=save), self._loop)
+        fut.result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# A tiny Llama: small enough that a coordinator and a few trained copies take
+# well under a second to build, with every kind of tensor the real ones have.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture
+def tiny_config_path(tmp_path):
+    path = tmp_path / "tiny-llama.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import pytest
+
+from ds_diloco.round_policy import (
+    Decision,
+    Ema,
+    PolicyOptions,
+    RoundState,
+    decide,
+    grace_window,
+)
+
+
+def _state(**kw) -> RoundState:
+    base = {
+        "live_islands": 3,
+        "contributors": 1,
+        "first_arrival": 10.0,
+        "quorum_at": 10.0,
+        "xi_step": 1.0,
+        "xi_quorum": 0.2,
+        "xi_sync": 0.3,
+    }
+    return RoundState(**{**base, **kw})
+
+
+def test_no_contribution_waits_without_deadline():
+    d = decide(5.0, _state(contributors=0, first_arrival=None, quorum_at=None), PolicyOptions())
+    assert d == Decision(False, None, "no contribution yet")
+
+
+def test_below_quorum_waits():
+    d = decide(11.0, _state(contributors=1, quorum_at=None), PolicyOptions(min_quorum=3))
+    assert not d.merge and d.wait_until is None
+    assert d.reason == "quorum 1/3 (K=3)"
+
+
+def test_synchronous_when_k_equals_live_islands():
+    opts = PolicyOptions(min_quorum=3)
+    for c in (1, 2):
+        d = decide(100.0, _state(contributors=c, quorum_at=None), opts)
+        assert not d.merge and d.reason == f"quorum {c}/3 (K=3)"
+    d = decide(100.0, _state(contributors=3), opts)
+    assert d.merge and d.reason == "all 3 live islands in"
+
+
+def test_quorum_capped_by_live_islands():
+    # K=3 but one island died: two live islands must not wait for it.
+    opts = PolicyOptions(min_quorum=3)
+    d = decide(11.0, _state(live_islands=2, contributors=1, quorum_at=None), opts)
+    assert not d.merge and d.reason == "quorum 1/2 (K=3 capped to 2 live islands)"
+    d = decide(11.0, _state(live_islands=2, contributors=2), opts)
+    assert d.merge and d.reason == "all 2 live islands in"
+
+
+def test_contribution_from_island_that_died_since_is_merged():
+    d = decide(11.0, _state(live_islands=0, contributors=1), PolicyOptions(min_quorum=2))
+    assert d.merge and "all 0 live islands in" in d.reason
+
+
+def test_quorum_reached_waits_for_grace_then_merges():
+    opts = PolicyOptions(min_quorum=1, grace_gamma=0.5, tau=2)
+    # slack = 2 * 1.0 - (0.2 + 0.3) = 1.5; grace = 0.75
+    st = _state(contributors=1, quorum_at=10.0)
+    d = decide(10.25, st, opts)
+    assert not d.merge
+    assert d.wait_until == pytest.approx(10.75)
+    assert "quorum 1/1 (K=1) reached" in d.reason and "waiting 0.500s" in d.reason
+    assert "grace 0.750s" in d.reason
+    d = decide(10.75, st, opts)
+    assert d.merge and d.wait_until is None
+    assert "grace over" in d.reason and "quorum 1/1" in d.reason
+
+
+def test_quorum_at_missing_counts_from_now():
+    opts = PolicyOptions(min_quorum=2)
+    d = decide(20.0, _state(contributors=2, quorum_at=None), opts)
+    assert not d.merge and d.wait_until == pytest.approx(20.75)
+
+
+def test_zero_grace_merges_as_soon_as_quorum_is_reached():
+    d = decide(10.0, _state(contributors=1), PolicyOptions(grace_gamma=0.0))
+    assert d.merge and "grace disabled" in d.reason
+    d = decide(10.0, _state(contributors=1, xi_step=None), PolicyOptions())
+    assert d.merge and "no step-time estimate yet" in d.reason
+
+
+def test_grace_window_numbers_and_cap():
+    opts = PolicyOptions(grace_gamma=0.5, tau=2, max_grace_s=5.0)
+    g, why = grace_window(_state(xi_step=1.0, xi_quorum=0.2, xi_sync=0.3), opts)
+    assert g == pytest.approx(0.75)
+    assert (
+        why == "grace 0.750s = gamma 0.5 x max(2 x step 1.000s - (quorum 0.200s + sync 0.300s), 0)"
+    )
+    # Unknown quorum / sync times count as 0.
+    g, _ = grace_window(_state(xi_step=1.0, xi_quorum=None, xi_sync=None), opts)
+    assert g == pytest.approx(1.0)
+    # No slack left: no grace.
+    g, _ = grace_window(_state(xi_step=1.0, xi_quorum=1.5, xi_sync=1.0), opts)
+    assert g == 0.0
+    # Capped.
+    g, why = grace_window(_state(xi_step=100.0, xi_quorum=0.0, xi_sync=0.0), opts)
+    assert g == 5.0 and "capped" in why and "100.000s" in why
+    assert grace_window(_state(xi_step=None), opts) == (0.0, "no step-time estimate yet")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"min_quorum": 0}, "min_quorum"),
+        ({"grace_gamma": 1.0}, "grace_gamma"),
+        ({"grace_gamma": -0.1}, "grace_gamma"),
+        ({"max_grace_s": -1.0}, "max_grace_s"),
+        ({"tau": 0}, "tau"),
+    ],
+)
+def test_options_validation(kwargs, field):
+    with pytest.raises(ValueError, match=f"PolicyOptions.{field}"):
+        PolicyOptions(**kwargs)
+
+
+def test_round_state_validation():
+    with pytest.raises(ValueError, match="live_islands"):
+        RoundState(live_islands=-1, contributors=0)
+
+
+def test_ema():
+    e = Ema(alpha=0.5)
+    assert e.value is None
+    assert e.update(4.0) == 4.0  # the first sample is taken as is
+    assert e.update(2.0) == pytest.approx(3.0)
+    assert e.update(3.0) == pytest.approx(3.0)
+    e2 = Ema.from_dict(e.to_dict())
+    assert e2.value == e.value and e2.alpha == 0.5
+    assert e2.update(5.0) == e.update(5.0) == pytest.approx(4.0)
+    assert Ema.from_dict(Ema().to_dict()).value is None
+    with pytest.raises(ValueError, match="alpha"):
+        Ema(alpha=0.0)
+    with pytest.raises(ValueError, match="finite"):
+        e.update(float("nan"))
