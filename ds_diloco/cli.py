@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fragment-mb", type=float, default=64.0, help="fragment size (fp32 MiB)")
     b.add_argument("--contributions", type=int, default=4, help="K contributions per merge")
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--json", metavar="PATH", default=None, help="also write a JSON summary here")
     b.set_defaults(fn=_bench)
     return p
 

@@ -176,12 +176,13 @@ def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
     data = load_file(path)
     data = data.get("coordinator", data)
     base = Path(path).resolve().parent
-    model = dict(data.get("model") or {})
-    for key in ("pretrained", "config"):  # paths in a file are relative to the file
-        if model.get(key) and not Path(model[key]).is_absolute():
-            candidate = base / model[key]
-            if candidate.exists():
-                model[key] = str(candidate)
-    if "model" in data:
-        data = {**data, "model": model}
+    data = dict(data)
+    if isinstance(data.get("model"), dict):  # paths in a file are relative to the file
+        model = dict(data["model"])
+        for key in ("pretrained", "config"):
+            if model.get(key) and not Path(model[key]).is_absolute():
+                model[key] = str(base / model[key])
+        data["model"] = model
+    if data.get("state_dir") and not Path(data["state_dir"]).is_absolute():
+        data["state_dir"] = str(base / data["state_dir"])
     return from_dict(CoordinatorConfig, data)

@@ -573,7 +573,7 @@ class Coordinator:
             sq[c.row] = c.sq_norms
             reasons[c.island] = why
         if weights.sum() <= 0:
-            log.warning("fragment %d: round closed with zero total weight", fs.fragment.index)
+            log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
         grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
         fs.lock.acquire_write()
@@ -607,11 +607,14 @@ class Coordinator:
                 "reason": decision.reason,
                 "seconds": sync,
             }
-            if self.cfg.staleness.mode == "drop":  # unfinished ones can only be stale now
-                for island, c in list(fs.assembling.items()):
-                    if c.base_version < fs.version:
-                        del fs.assembling[island]
-                        fs.give_row(c.row)
+            if self.cfg.staleness.mode == "drop":  # what arrived during the merge is stale now
+                for table in (fs.assembling, fs.complete):
+                    for island, c in list(table.items()):
+                        if c.base_version < fs.version:
+                            del table[island]
+                            fs.give_row(c.row)
+                            if island in self._islands:
+                                self._islands[island].dropped += 1
         log.info(
             "fragment %d -> v%d from %s (%s) in %.3fs",
             fs.fragment.index,

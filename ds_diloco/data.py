@@ -1,0 +1,358 @@
+"""Real text for the islands: files -> records -> BPE tokenizer -> packed blocks -> batches.
+
+The corpus is tokenised once into one ``(N, seq_len + 1)`` int64 tensor of
+fixed-length blocks, cached on disk. Every island and rank derives its share
+from that same tensor with pure functions, so no one has to talk to agree on
+who trains on what::
+
+    tokenizer, blocks = prepare_corpus(corpus_dir, cache_dir, vocab_size, seq_len)
+    train, heldout = heldout_split(blocks, 0.01, seed=0)   # same call on every island
+    mine = split_blocks(split_blocks(train, num_islands, island), world_size, rank)
+    for input_ids, labels in BlockLoader(mine, micro_batch_size, seed=0): ...
+
+Nothing here touches the network unless :func:`load_text_dataset` is given a
+name that is not a local path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ds_diloco.state_store import atomic_write
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+"""Ids 0, 1, 2 in this order, as model_configs/tiny-llama.json expects."""
+FINGERPRINT_FILE = "corpus_fingerprint.json"
+_FINGERPRINT_VERSION = 1  # bump when cleaning or training changes what the same files give
+_MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet is always in the vocabulary
+
+# Project Gutenberg wraps texts in a licence. Modern files mark it with
+# "*** START OF THE PROJECT GUTENBERG EBOOK X ***" / "*** END OF ... ***"; 1990s
+# etexts end their header with "*END*THE SMALL PRINT! ...*END*" and start their
+# footer with "End of (the) Project Gutenberg Etext of X". The Shakespeare files
+# fetched by launch/get_corpus.sh were already stripped and carry no markers.
+_HEADER_END = re.compile(
+    r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG.*$|^\*END\*?\s*THE SMALL PRINT!.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_FOOTER_START = re.compile(
+    r"^\*{3}\s*END OF (?:THE|THIS) PROJECT GUTENBERG.*$"
+    r"|^End of (?:the |this )?Project Gutenberg.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def find_text_files(path: str | os.PathLike) -> list[str]:
+    """``path`` itself if it is a file, else every ``*.txt`` below it, sorted."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*.txt") if f.is_file())
+    if not files:
+        raise ValueError(f"no text files at {str(path)!r}: give a file or a folder of *.txt files")
+    return [str(f) for f in files]
+
+
+def clean_gutenberg(text: str) -> str:
+    """The text between Gutenberg's licence header and footer, with ``\\n`` line ends.
+
+    Trailing spaces are dropped too: they are invisible noise that would cost tokens.
+    Text without markers is kept whole.
+    """
+    text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    if header := _HEADER_END.search(text):
+        text = text[header.end() :]
+    if footer := _FOOTER_START.search(text):
+        text = text[: footer.start()]
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
+def _read_text(path: str) -> str:
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")  # old Gutenberg files; latin-1 never fails
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def _fingerprint(files: Sequence[str], vocab_size: int) -> dict:
+    sizes = [[os.path.basename(f), os.path.getsize(f)] for f in files]
+    return {"version": _FINGERPRINT_VERSION, "vocab_size": vocab_size, "files": sizes}
+
+
+def train_tokenizer(
+    files: Sequence[str | os.PathLike], vocab_size: int, out_dir: str | os.PathLike
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the cleaned files, saved to (or reused from) ``out_dir``.
+
+    Byte-level means any text round-trips without an unknown token. ``out_dir``
+    holds a fingerprint (file names, sizes, vocab size); when it matches, the saved
+    tokenizer is loaded instead of retrained. Files are replaced atomically and the
+    fingerprint written last, so concurrent callers never load a half-written one.
+    """
+    if vocab_size < _MIN_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size}: must be at least {_MIN_VOCAB}")
+    files = [str(f) for f in files]
+    fingerprint = _fingerprint(files, vocab_size)
+    out = Path(out_dir)
+    fp_path = out / FINGERPRINT_FILE
+    if fp_path.is_file() and json.loads(fp_path.read_text()) == fingerprint:
+        return PreTrainedTokenizerFast.from_pretrained(str(out))
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((clean_gutenberg(_read_text(f)) for f in files), trainer, len(files))
+    pad, bos, eos = SPECIAL_TOKENS
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos)
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".save.") as tmp:
+        hf.save_pretrained(tmp)
+        for f in Path(tmp).iterdir():
+            os.replace(f, out / f.name)
+    atomic_write(fp_path, json.dumps(fingerprint, indent=1).encode())
+    return hf
+
+
+_LOADERS = {
+    ".json": datasets.Dataset.from_json,
+    ".jsonl": datasets.Dataset.from_json,
+    ".parquet": datasets.Dataset.from_parquet,
+}
+
+
+def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"split {split!r} not found; the dataset has {sorted(ds)}")
+        ds = ds[split]
+    if text_field not in ds.column_names:
+        raise ValueError(f"text_field={text_field!r} not found; columns are {ds.column_names}")
+    ds = ds.select_columns([text_field])
+    return ds if text_field == "text" else ds.rename_column(text_field, "text")
+
+
+def load_text_dataset(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    text_field: str = "text",
+    split: str = "train",
+) -> datasets.Dataset:
+    """A ``datasets.Dataset`` with one column, ``"text"``, from local files or a dataset.
+
+    ``source`` is one or more local paths (``.txt``: one record per blank-line
+    separated paragraph, Gutenberg-cleaned; ``.json``/``.jsonl``/``.parquet``: the
+    ``text_field`` column; a folder: its ``*.txt`` files, or else a saved or
+    loadable dataset folder), or a name for ``datasets.load_dataset``. Local paths
+    never reach the network.
+    """
+    sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not sources:
+        raise ValueError("load_text_dataset: no source given")
+    if len(sources) == 1 and not os.path.exists(sources[0]):
+        return _text_column(datasets.load_dataset(str(sources[0]), split=split), text_field, split)
+    if missing := [str(s) for s in sources if not os.path.exists(s)]:
+        raise ValueError(f"load_text_dataset: no such files {missing}")
+    folder = Path(sources[0])
+    if len(sources) == 1 and folder.is_dir() and not any(folder.rglob("*.txt")):
+        saved = (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists()
+        ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
+        return _text_column(ds, text_field, split)
+
+    files = [f for s in sources for f in find_text_files(s)]
+    if unknown := [f for f in files if Path(f).suffix not in {".txt", *_LOADERS}]:
+        raise ValueError(f"load_text_dataset: unsupported file types {unknown}")
+    parts = []
+    if txt := [f for f in files if f.endswith(".txt")]:
+        paragraphs = [p for f in txt for p in _paragraphs(clean_gutenberg(_read_text(f)))]
+        parts.append(datasets.Dataset.from_dict({"text": paragraphs}))
+    for suffix, loader in _LOADERS.items():
+        if group := [f for f in files if Path(f).suffix == suffix]:
+            parts.append(_text_column(loader(group), text_field, split))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def pack(dataset: datasets.Dataset, tokenizer, seq_len: int, *, num_proc: int = 1) -> torch.Tensor:
+    """Tokenise, end each record with eos, concatenate, cut into ``seq_len + 1`` blocks.
+
+    Returns an int64 tensor ``(N, seq_len + 1)``: inputs are ``[:, :-1]``, labels
+    ``[:, 1:]``; blocks cross record boundaries (the eos marks them) and the tail
+    shorter than a block is dropped. Empty records are skipped.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be at least 1")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("pack: the tokenizer has no eos token")
+
+    def encode(batch):
+        texts = [t for t in batch["text"] if t and t.strip()]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return {"input_ids": [[*x, eos] for x in ids]}
+
+    tokenized = dataset.map(
+        encode,
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=dataset.column_names,
+        keep_in_memory=True,  # the result becomes a tensor anyway; no cache files
+    )
+    column = tokenized.with_format("arrow")["input_ids"]
+    ids = column.combine_chunks().flatten().to_numpy().astype(np.int64, copy=False)
+    block = seq_len + 1
+    n = len(ids) // block
+    if n == 0:
+        raise ValueError(f"pack: {len(ids)} tokens do not fill one block of {block}")
+    return torch.from_numpy(ids[: n * block].copy()).view(n, block)
+
+
+def split_blocks(blocks: torch.Tensor, num_shards: int, shard: int) -> torch.Tensor:
+    """Every ``num_shards``-th block from ``shard``: disjoint shards whose union is all.
+
+    Strided rather than contiguous so each shard samples the whole corpus (every
+    play, not a few), i.e. islands train on the same distribution. Applied twice
+    (islands, then an island's ranks) it stays a partition. A view, no copy.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards}: must be at least 1")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard={shard}: must be in [0, {num_shards})")
+    if len(blocks) < num_shards:
+        raise ValueError(f"{len(blocks)} blocks cannot give {num_shards} non-empty shards")
+    return blocks[shard::num_shards]
+
+
+def heldout_split(
+    blocks: torch.Tensor, fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, heldout): a seeded random ``fraction`` of blocks held out, order kept.
+
+    Call it with the same seed everywhere before :func:`split_blocks`, so no
+    island trains on another's evaluation blocks.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction={fraction}: must be in (0, 1)")
+    n = len(blocks)
+    k = max(1, round(n * fraction))
+    if k >= n:
+        raise ValueError(f"{n} blocks cannot hold out {k} and keep some for training")
+    perm = np.random.default_rng(seed).permutation(n)
+    held, train = np.sort(perm[:k]), np.sort(perm[k:])
+    return blocks[torch.from_numpy(train)], blocks[torch.from_numpy(held)]
+
+
+class BlockLoader:
+    """Endless batches from one shard's blocks, in a seeded order, resumable exactly.
+
+    Epoch ``e`` visits the blocks in the permutation drawn from ``(seed, e)``, so
+    ``(epoch, position)`` is all an island must checkpoint. A batch that runs past
+    an epoch's end continues into the next epoch: batches are always full and
+    every block is used once per epoch.
+
+    Yields ``(input_ids, labels)``, each ``(micro_batch_size, seq_len)`` int64.
+    The labels are already shifted by one: give them to a Hugging Face causal LM
+    as ``shift_labels=`` (with ``labels=``, it would shift them a second time) or
+    to ``cross_entropy`` directly. ``tokens_seen`` counts predicted tokens, the
+    unit of DiLoCo's token weighting.
+    """
+
+    def __init__(self, blocks: torch.Tensor, micro_batch_size: int, *, seed: int = 0):
+        if blocks.ndim != 2 or len(blocks) == 0 or blocks.shape[1] < 2:
+            raise ValueError(
+                f"blocks: need a non-empty (N, seq_len + 1), got {tuple(blocks.shape)}"
+            )
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size}: must be at least 1")
+        self.blocks, self.micro_batch_size, self.seed = blocks, micro_batch_size, seed
+        self.epoch = self.position = self.tokens_seen = 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None or self._order[0] != self.epoch:
+            perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.blocks))
+            self._order = (self.epoch, perm)
+        return self._order[1]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        picked: list[np.ndarray] = []
+        need = self.micro_batch_size
+        while need:
+            take = self._epoch_order()[self.position : self.position + need]
+            picked.append(take)
+            need -= len(take)
+            self.position += len(take)
+            if self.position == len(self.blocks):
+                self.epoch, self.position = self.epoch + 1, 0
+        batch = self.blocks[torch.from_numpy(np.concatenate(picked))]
+        self.tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "tokens_seen": self.tokens_seen,
+            "num_blocks": len(self.blocks),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume where ``state`` was taken; refuses a shard of a different size."""
+        if state["num_blocks"] != len(self.blocks):
+            raise ValueError(
+                f"state is for a shard of {state['num_blocks']} blocks, this one has "
+                f"{len(self.blocks)}: resume with the same corpus, seq_len and split"
+            )
+        if not 0 <= state["position"] < len(self.blocks):
+            raise ValueError(f"position={state['position']}: out of range")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.seed, self.tokens_seen = int(state["seed"]), int(state["tokens_seen"])
+        self._order = None
+
+
+def prepare_corpus(
+    corpus_dir: str | os.PathLike, cache_dir: str | os.PathLike, vocab_size: int, seq_len: int
+) -> tuple[PreTrainedTokenizerFast, torch.Tensor]:
+    """Text files -> (tokenizer, packed blocks), both cached under ``cache_dir``.
+
+    Both caches are keyed by the corpus fingerprint, so blocks always match the
+    tokenizer that made them and a second call only loads. Safe to call from every
+    rank at once (writes are atomic), but cheaper to let one rank go first.
+    """
+    files = find_text_files(corpus_dir)
+    key = hashlib.sha256(json.dumps(_fingerprint(files, vocab_size)).encode()).hexdigest()[:16]
+    cache = Path(cache_dir)
+    tokenizer = train_tokenizer(files, vocab_size, cache / f"tokenizer-{key}")
+    path = cache / f"blocks-{key}-seq{seq_len}.pt"
+    if path.is_file():
+        return tokenizer, torch.load(path)
+    blocks = pack(load_text_dataset(files), tokenizer, seq_len)
+    buf = io.BytesIO()
+    torch.save(blocks, buf)
+    atomic_write(path, buf.getvalue())
+    return tokenizer, blocks

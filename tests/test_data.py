@@ -1,0 +1,254 @@
+"""The real-text data path on a small public-domain fixture (Shakespeare's sonnets I-XVIII)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import datasets
+import pytest
+import torch
+
+from ds_diloco import data
+
+SONNETS = Path(__file__).parent / "data" / "sonnets.txt"
+VOCAB = 512  # the sonnets have enough distinct pairs to fill it with merges
+
+
+@pytest.fixture(autouse=True)
+def _private_datasets_cache(tmp_path, monkeypatch):
+    """The json/parquet builders cache arrow files; keep them out of ~/.cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return data.train_tokenizer([SONNETS], VOCAB, tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def blocks(tokenizer):
+    return data.pack(data.load_text_dataset(str(SONNETS)), tokenizer, seq_len=16)
+
+
+def test_find_text_files(tmp_path):
+    (tmp_path / "b").mkdir()
+    for name in ["b/z.txt", "a.txt", "notes.md"]:
+        (tmp_path / name).write_text("x")
+    assert data.find_text_files(tmp_path) == [str(tmp_path / "a.txt"), str(tmp_path / "b/z.txt")]
+    assert data.find_text_files(tmp_path / "notes.md") == [str(tmp_path / "notes.md")]
+    with pytest.raises(ValueError, match="nowhere"):
+        data.find_text_files(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("header", "footer"),
+    [
+        (
+            "The Project Gutenberg EBook of The Sonnets\r\nLicence blah\r\n"
+            "*** START OF THE PROJECT GUTENBERG EBOOK THE SONNETS ***\r\n",
+            "\r\n*** END OF THE PROJECT GUTENBERG EBOOK THE SONNETS ***\r\nMore licence\r\n",
+        ),
+        (
+            "**The Project Gutenberg Etext of Shakespeare's Sonnets**\nLicence blah\n"
+            "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n",
+            "\nEnd of Project Gutenberg's Etext of Shakespeare's Sonnets\nMore licence\n",
+        ),
+    ],
+)
+def test_clean_gutenberg_strips_licence(header, footer):
+    body = "I\n\nFrom fairest creatures we desire increase,  \nThat thereby beauty's rose"
+    cleaned = data.clean_gutenberg(header + body.replace("\n", "\r\n") + footer)
+    assert cleaned == body.replace("  \n", "\n")
+    assert "\r" not in cleaned and "Gutenberg" not in cleaned and "licence" not in cleaned.lower()
+
+
+def test_clean_gutenberg_keeps_text_without_markers():
+    text = SONNETS.read_text()
+    assert data.clean_gutenberg(text).startswith("THE SONNETS\nby William Shakespeare")
+    assert data.clean_gutenberg(text).endswith("this gives life to thee.")
+
+
+def test_tokenizer_special_ids_vocab_and_round_trip(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<pad>", "<s>", "</s>"]
+    assert len(tokenizer) == VOCAB
+    for text in [SONNETS.read_text(), "Shall I compare thee — to a summer’s day? 日本\n\t"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    # Trained merges make the corpus shorter than its bytes.
+    assert len(tokenizer(SONNETS.read_text())["input_ids"]) < 0.6 * len(SONNETS.read_bytes())
+
+
+def test_tokenizer_rejects_vocab_below_byte_alphabet(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.train_tokenizer([SONNETS], 200, tmp_path)
+
+
+def test_tokenizer_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
+    corpus = tmp_path / "sonnets.txt"
+    shutil.copy(SONNETS, corpus)
+    out = tmp_path / "tok"
+    first = data.train_tokenizer([corpus], VOCAB, out)
+    fingerprint = json.loads((out / data.FINGERPRINT_FILE).read_text())
+    assert fingerprint["vocab_size"] == VOCAB and fingerprint["files"][0][0] == "sonnets.txt"
+
+    trained = []
+    real_train = data.Tokenizer.train_from_iterator
+    monkeypatch.setattr(
+        data.Tokenizer,
+        "train_from_iterator",
+        lambda self, *a, **k: trained.append(1) or real_train(self, *a, **k),
+    )
+    again = data.train_tokenizer([corpus], VOCAB, out)
+    assert trained == []
+    assert again.get_vocab() == first.get_vocab() and again.eos_token_id == 2
+
+    data.train_tokenizer([corpus], VOCAB + 20, out)  # another vocab size retrains
+    assert trained == [1]
+    with corpus.open("a") as f:
+        f.write("\nNew lines make a new corpus.\n")
+    data.train_tokenizer([corpus], VOCAB + 20, out)  # so does a changed file
+    assert trained == [1, 1]
+
+
+def test_load_text_dataset_txt_paragraphs():
+    ds = data.load_text_dataset(SONNETS)
+    assert ds.column_names == ["text"]
+    assert ds[0]["text"] == "THE SONNETS\nby William Shakespeare"
+    assert ds[1]["text"] == "I"
+    assert ds[2]["text"].startswith("From fairest creatures") and ds[2]["text"].count("\n") == 13
+    assert sum(t.strip() == "XVIII" for t in ds["text"]) == 1
+    assert all(t.strip() for t in ds["text"])
+
+
+def test_load_text_dataset_jsonl_parquet_and_folders(tmp_path):
+    rows = [{"body": "To be, or not to be", "id": 1}, {"body": "that is the question", "id": 2}]
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = data.load_text_dataset(str(path), text_field="body")
+    assert ds.column_names == ["text"] and ds["text"] == [r["body"] for r in rows]
+    with pytest.raises(ValueError, match="text_field"):
+        data.load_text_dataset(str(path))
+
+    saved = tmp_path / "saved"
+    ds.rename_column("text", "body").save_to_disk(str(saved))
+    assert data.load_text_dataset(saved, text_field="body")["text"] == ds["text"]
+    parquet = tmp_path / "pq"
+    parquet.mkdir()
+    ds.to_parquet(str(parquet / "part-0.parquet"))  # a folder of data files: load_dataset
+    assert data.load_text_dataset(parquet)["text"] == ds["text"]
+    assert data.load_text_dataset(parquet / "part-0.parquet")["text"] == ds["text"]
+
+    (tmp_path / "sub").mkdir()
+    shutil.copy(SONNETS, tmp_path / "sub" / "s.txt")
+    mixed = data.load_text_dataset([tmp_path / "sub", path], text_field="body")
+    assert len(mixed) == len(data.load_text_dataset(SONNETS)) + 2
+    assert mixed["text"][-2:] == [r["body"] for r in rows]
+
+
+def test_pack_shape_shift_and_eos(tokenizer, blocks):
+    ds = data.load_text_dataset(str(SONNETS))
+    total = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in ds["text"])
+    assert blocks.dtype == torch.int64
+    assert blocks.shape == (total // 17, 17)
+    assert (blocks == tokenizer.eos_token_id).sum() >= len(ds) - 1  # only the tail's may be lost
+    inputs, labels = blocks[:, :-1], blocks[:, 1:]
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    # The blocks are the corpus, in order: block 0 starts the first paragraph.
+    first = tokenizer(ds[0]["text"], add_special_tokens=False)["input_ids"]
+    assert blocks.flatten()[: len(first) + 1].tolist() == [*first, tokenizer.eos_token_id]
+    with pytest.raises(ValueError, match="block"):
+        data.pack(ds.select(range(2)), tokenizer, seq_len=512)
+
+
+def test_split_blocks_partitions_twice(blocks):
+    n = len(blocks)
+    tagged = torch.arange(n)  # split row numbers: the same code path, easy to compare
+    seen = []
+    for island in range(3):
+        island_rows = data.split_blocks(tagged, 3, island)
+        for rank in range(2):
+            seen += data.split_blocks(island_rows, 2, rank).tolist()
+    assert sorted(seen) == list(range(n))
+    assert torch.equal(data.split_blocks(blocks, 3, 1), blocks[tagged[1::3]])
+    assert torch.equal(data.split_blocks(blocks, 1, 0), blocks)
+    for bad in [(0, 0), (3, 3), (3, -1), (n + 1, 0)]:
+        with pytest.raises(ValueError):
+            data.split_blocks(blocks, *bad)
+
+
+def test_heldout_split_is_deterministic_and_disjoint(blocks):
+    rows = torch.arange(len(blocks))
+    train, held = data.heldout_split(rows, 0.1, seed=3)
+    assert len(held) == round(len(rows) * 0.1)
+    assert sorted([*train.tolist(), *held.tolist()]) == rows.tolist()
+    assert torch.equal(data.heldout_split(rows, 0.1, seed=3)[1], held)
+    assert not torch.equal(data.heldout_split(rows, 0.1, seed=4)[1], held)
+    for bad in [0.0, 1.0]:
+        with pytest.raises(ValueError):
+            data.heldout_split(rows, bad, seed=0)
+
+
+def _take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def test_block_loader_epochs_tokens_and_determinism(blocks):
+    shard = blocks[:10]
+    loader = data.BlockLoader(shard, 4, seed=7)
+    batches = _take(loader, 5)  # 20 rows: exactly two epochs of 10
+    for inputs, labels in batches:
+        assert inputs.shape == labels.shape == (4, 16)
+        assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    assert loader.tokens_seen == 5 * 4 * 16
+    assert (loader.epoch, loader.position) == (2, 0)
+    rows = torch.cat([torch.cat([i, lab[:, -1:]], 1) for i, lab in batches])
+
+    def as_set(t):
+        return sorted(map(tuple, t.tolist()))
+
+    assert as_set(rows[:10]) == as_set(shard) == as_set(rows[10:])  # each epoch: all once
+    assert not torch.equal(rows[:10], rows[10:])  # a fresh order per epoch
+
+    same = _take(data.BlockLoader(shard, 4, seed=7), 5)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, same, strict=True))
+    other = _take(data.BlockLoader(shard, 4, seed=8), 5)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(batches, other, strict=True))
+
+
+def test_block_loader_resumes_exactly(blocks):
+    loader = data.BlockLoader(blocks[:10], 3, seed=1)
+    _take(loader, 3)  # 9 rows: stops one short of the epoch's end
+    state = json.loads(json.dumps(loader.state_dict()))  # survives a JSON checkpoint
+    expected = _take(loader, 4)
+
+    resumed = data.BlockLoader(blocks[:10], 3, seed=999)
+    resumed.load_state_dict(state)
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(expected, _take(resumed, 4), strict=True)
+    )
+    assert resumed.tokens_seen == loader.tokens_seen == 7 * 3 * 16
+    with pytest.raises(ValueError, match="blocks"):
+        data.BlockLoader(blocks[:11], 3).load_state_dict(state)
+
+
+def test_prepare_corpus_caches_blocks(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(SONNETS, corpus / "sonnets.txt")
+    tok, blocks = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
+    assert blocks.shape[1] == 33 and len(tok) == VOCAB
+
+    monkeypatch.setattr(data, "pack", lambda *a, **k: pytest.fail("packed again"))
+    tok2, again = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
+    assert torch.equal(again, blocks) and tok2.get_vocab() == tok.get_vocab()
+    monkeypatch.undo()
+    _, longer = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 64)  # new seq_len: new key
+    assert longer.shape[1] == 65
