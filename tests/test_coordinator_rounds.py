@@ -1,0 +1,198 @@
+"""Round closing, liveness and crash durability of the coordinator, on a controlled clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import requests
+import torch
+
+from ds_diloco import wire
+from ds_diloco.client import CoordinatorClient, rank_slices
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.coordinator import Coordinator
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(config_path, state_dir, clock=None, **kw):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=config_path, seed=0),
+        state_dir=str(state_dir),
+        num_fragments=2,
+        sync_every=2,
+        token="t",
+        **kw,
+    )
+    return Coordinator(cfg, clock=clock) if clock else cfg
+
+
+def send(coord, island, fragment, step, *, world_size=1, tokens=100, steps=2, scale=1e-3):
+    frag = coord.plan.fragments[fragment]
+    g = torch.Generator().manual_seed(hash((island, fragment, step)) % 2**31)
+    full = {p.name: torch.randn(p.shape, generator=g) * scale for p in frag.params}
+    base = coord.versions()[fragment]
+    replies = []
+    for rank in range(world_size):
+        header = wire.UploadHeader(
+            island=island, rank=rank, world_size=world_size, fragment=fragment,
+            base_version=base, step=step, tokens=tokens, steps=steps,
+        )  # fmt: skip
+        replies.append(
+            coord.upload(wire.encode_upload(header, rank_slices(frag, full, world_size, rank)))
+        )
+    return replies[-1]
+
+
+def test_quorum_then_grace_window_then_merge(tiny_config_path, tmp_path):
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=2, grace_gamma=0.5, max_grace_s=10.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy)
+    sig = coord.plan.signature
+    for island in ("a", "b", "c"):
+        coord.register(island, 1, sig)
+    # Step-time estimates: "a" and "b" take 2 s per inner step (uploads at steps 2 and 4).
+    for island in ("a", "b"):
+        send(coord, island, 1, step=2)
+    clock.now += 4.0
+    for island in ("a", "b"):
+        send(coord, island, 1, step=4)
+    d = coord.poll(1)  # quorum 2/2 with "c" silent: the grace window is 0.5 x (1 x 2 s) = 1 s
+    assert not d.merge and d.wait_until == clock.now + 1.0, d
+    clock.now = d.wait_until
+    assert coord.poll(1).merge
+    for island in ("a", "b", "c"):
+        coord.touch(island)
+
+    assert send(coord, "a", 0, step=4)["complete"]
+    d = coord.decide(0)
+    assert not d.merge and d.wait_until is None and "quorum 1/2 (K=2)" in d.reason
+    clock.now += 0.5
+    send(coord, "b", 0, step=4)
+    d = coord.decide(0)
+    # slack = tau * xi_step - (xi_quorum + xi_sync) ~ 2 s -> grace ~ gamma * 2 s = ~1 s
+    assert not d.merge and "waiting" in d.reason and "2/3 live islands in" in d.reason
+    grace = d.wait_until - clock.now
+    assert 0.8 < grace < 1.05, (grace, d.reason)
+    assert coord.poll(0).merge is False and coord.versions()[0] == 0
+    clock.now = d.wait_until
+    d = coord.poll(0)
+    assert d.merge and "grace over" in d.reason
+    assert coord.versions()[0] == 1
+    assert coord.status()["last_merge"]["0"]["islands"] == ["a", "b"]
+
+
+def test_synchronous_k_equals_m_waits_for_every_island(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=3, tau=1))
+    for island in ("a", "b", "c"):
+        coord.register(island, 2, coord.plan.signature)
+    send(coord, "a", 0, step=2, world_size=2)
+    send(coord, "b", 0, step=2, world_size=2)
+    clock.now += 60.0  # however long: K = M never closes without the third island
+    for island in ("a", "b", "c"):
+        coord.touch(island)
+    assert not coord.poll(0).merge and coord.versions()[0] == 0
+    send(coord, "c", 0, step=2, world_size=2)
+    d = coord.poll(0)
+    assert d.merge and "all 3 live islands in" in d.reason and coord.versions()[0] == 1
+
+
+def test_incomplete_island_does_not_count_until_all_its_ranks_are_in(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=1, tau=1))
+    coord.register("a", 3, coord.plan.signature)
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    for rank in (0, 2):
+        h = wire.UploadHeader(island="a", rank=rank, world_size=3, fragment=0, base_version=0,
+                              step=2, tokens=10, steps=2)  # fmt: skip
+        assert not coord.upload(wire.encode_upload(h, rank_slices(frag, full, 3, rank)))["complete"]
+    assert not coord.poll(0).merge
+    h = wire.UploadHeader(island="a", rank=1, world_size=3, fragment=0, base_version=0,
+                          step=2, tokens=10, steps=2)  # fmt: skip
+    assert coord.upload(wire.encode_upload(h, rank_slices(frag, full, 3, 1)))["complete"]
+    assert coord.poll(0).merge and coord.versions()[0] == 1
+
+
+def test_dead_island_stops_holding_the_quorum(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=3, grace_gamma=0.0, tau=1), island_timeout_s=10.0,
+    )  # fmt: skip
+    for island in ("a", "b", "c"):
+        coord.register(island, 1, coord.plan.signature)
+    clock.now += 9.0
+    send(coord, "a", 0, step=2)
+    send(coord, "b", 0, step=2)
+    d = coord.poll(0)
+    assert not d.merge and "quorum 2/3" in d.reason
+    clock.now += 1.5  # "c" has not been heard from for 10.5 s: no longer live
+    d = coord.poll(0)
+    assert d.merge and "capped" not in d.reason and "all 2 live islands in" in d.reason
+    assert coord.status()["islands"]["c"]["live"] is False
+
+
+def test_newer_step_replaces_an_islands_waiting_contribution(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=2, tau=1))
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    send(coord, "a", 0, step=2, tokens=10)
+    send(coord, "a", 0, step=4, tokens=20)
+    assert coord.status()["pending"]["0"]["complete"] == ["a"]
+    send(coord, "b", 0, step=2, tokens=10)
+    assert coord.poll(0).merge
+    weights = coord.status()["last_merge"]["0"]["weights"]
+    assert weights == {"a": 20**2 / 2, "b": 10**2 / 2}
+
+
+def test_crash_without_save_never_reuses_a_served_version(tiny_config_path, tmp_path):
+    clock = Clock()
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=100)
+    coord = make(tiny_config_path, tmp_path / "s", clock, **kw)
+    coord.register("a", 1, coord.plan.signature)
+    initial = coord.global_tensors()
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    served = coord.global_tensors()
+    # SIGKILL: no save. A new process on the same state directory:
+    again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    assert again.versions()[0] > 1, "a version number that was served must never come back"
+    assert again.versions()[1] == 0
+    got = again.global_tensors()
+    # The merge was not durable yet, so the values are the last saved ones.
+    assert all(torch.equal(got[n], initial[n]) for n in got)
+    assert any(not torch.equal(served[n], initial[n]) for n in served)
+
+
+def test_requests_are_served_while_a_fragment_is_being_written(tiny_config_path, tmp_path):
+    cfg = make(tiny_config_path, tmp_path / "s", policy=PolicyOptions(tau=1))
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0, timeout_s=10)
+        fs = srv.coord._frags[0]
+        fs.lock.acquire_write()  # what a merge holds during its outer step
+        try:
+            t0 = time.perf_counter()
+            assert requests.get(srv.url + "/healthz", timeout=5).json()["ok"]
+            assert client.status()["versions"] == [0, 0]
+            assert client.download(1, 1, 0)[0] == 0  # another fragment: not blocked
+            assert time.perf_counter() - t0 < 5
+            done = threading.Event()
+            threading.Thread(
+                target=lambda: (client.download(0, 1, 0), done.set()), daemon=True
+            ).start()
+            assert not done.wait(0.5), "a download must not read a fragment mid-update"
+        finally:
+            fs.lock.release_write()
+        assert done.wait(5), "the download completes once the update is done"
