@@ -8,6 +8,7 @@ with their dotted path, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -109,21 +110,35 @@ class CoordinatorConfig:
         path = Path(self.state_dir) / "token"
         if not path.exists():
             import secrets
+            import tempfile
 
+            # Written whole, then linked into place: never an empty file, and of two
+            # processes creating it at once, the second one reads the first one's token.
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32))
-        return path.read_text().strip()
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".token.")  # mode 0600
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+                    f.flush()
+                    os.fsync(f.fileno())
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
+        token = path.read_text().strip()
+        if not token:  # an empty token would admit any request that sends "Bearer "
+            raise ValueError(f"token file {str(path)!r} is empty: delete it or set {TOKEN_ENV}")
+        return token
 
 
 def from_dict(cls, data: Any, where: str = ""):
     """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by dotted path."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+        what = where.rstrip(".") or cls.__name__
+        raise ValueError(f"{what}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(str(k) for k in data if k not in names)  # YAML keys may be ints or bools
     if unknown:
         raise ValueError(
             f"unknown key(s) {', '.join(repr(where + k) for k in unknown)}; "
@@ -166,7 +181,13 @@ def load_file(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text())
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:  # a ValueError reaches the CLI as one clear line
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ValueError(f"config file {str(p)!r} is not valid YAML: {problem}{at}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
     return data
@@ -175,14 +196,22 @@ def load_file(path: str | os.PathLike) -> dict:
 def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
     data = load_file(path)
     data = data.get("coordinator", data)
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r}: 'coordinator' must hold a mapping")
     base = Path(path).resolve().parent
     data = dict(data)
-    if isinstance(data.get("model"), dict):  # paths in a file are relative to the file
+    # Paths in a file are relative to the file; anything not a string is left to from_dict,
+    # which refuses it naming the field.
+    if isinstance(data.get("model"), dict):
         model = dict(data["model"])
         for key in ("pretrained", "config"):
-            if model.get(key) and not Path(model[key]).is_absolute():
+            if _relative(model.get(key)):
                 model[key] = str(base / model[key])
         data["model"] = model
-    if data.get("state_dir") and not Path(data["state_dir"]).is_absolute():
+    if _relative(data.get("state_dir")):
         data["state_dir"] = str(base / data["state_dir"])
     return from_dict(CoordinatorConfig, data)
+
+
+def _relative(value) -> bool:
+    return isinstance(value, str) and bool(value) and not Path(value).is_absolute()

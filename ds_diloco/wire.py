@@ -86,10 +86,14 @@ def _meta_to_header(cls, meta: Mapping[str, str]):
 
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
     """A safetensors file of 1-D tensors, written without intermediate copies."""
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise WireError(f"metadata must map strings to strings, got {dict(metadata)!r}")
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     chunks: list[memoryview] = []
     offset = 0
     for name, t in tensors.items():
+        if name == "__metadata__":  # the key of the metadata in the same JSON object
+            raise WireError("a tensor cannot be named '__metadata__'")
         if t.dtype not in _DTYPE_NAMES:
             raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
         t = t.detach().contiguous()
@@ -123,23 +127,35 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
         header = json.loads(bytes(view[8 : 8 + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"malformed body: header is not JSON ({e})") from None
+    except RecursionError:  # e.g. "[[[[...": nested deeper than the parser's stack allows
+        raise WireError("malformed body: header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise WireError("malformed body: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)  # absent or null: no metadata
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise WireError("malformed body: __metadata__ must map strings to strings")
     data = view[8 + hlen :]
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise WireError(f"malformed body: bad entry for tensor {name!r}: {info!r}")
+        dtype_name = info.get("dtype")
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+            raise WireError(
+                f"tensor {name!r}: dtype {dtype_name!r} is not supported "
+                f"(supported: {', '.join(_DTYPES)})"
+            )
+        shape = _int_list(name, info, "shape")
+        offsets = _int_list(name, info, "data_offsets")
+        if len(offsets) != 2:
+            raise WireError(f"malformed body: tensor {name!r} data_offsets must be [start, end]")
+        entries.append((offsets[0], offsets[1], name, _DTYPES[dtype_name], shape))
+    # By (start, end), as safetensors does: an empty tensor may share its start with the next.
+    entries.sort(key=lambda e: (e[0], e[1]))
     tensors: dict[str, torch.Tensor] = {}
     end_expected = 0
-    for name, info in sorted(header.items(), key=lambda kv: _start(kv)):
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = [int(s) for s in info["shape"]]
-            start, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise WireError(f"malformed body: bad entry for tensor {name!r}: {info!r}") from None
-        if info["dtype"] not in _DTYPES:
-            raise WireError(f"tensor {name!r}: dtype {info['dtype']} is not supported")
+    for start, end, name, dtype, shape in entries:
         numel = 1
         for s in shape:
             if s < 0:
@@ -152,18 +168,23 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
                 f"shape {shape} and the {len(data)} data bytes"
             )
         end_expected = end
-        tensors[name] = _frombuffer(data[start:end], dtype, numel).view(shape)
+        try:
+            tensors[name] = _frombuffer(data[start:end], dtype, numel).view(shape)
+        except (RuntimeError, TypeError) as e:  # an empty tensor whose dims overflow int64
+            raise WireError(f"malformed body: tensor {name!r} has shape {shape} ({e})") from None
     if end_expected != len(data):
         raise WireError(f"malformed body: {len(data) - end_expected} trailing bytes")
     return meta, tensors
 
 
-def _start(item) -> int:
-    name, info = item
-    try:
-        return int(info["data_offsets"][0])
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise WireError(f"malformed body: bad entry for tensor {name!r}") from None
+def _int_list(name: str, info: dict, key: str) -> list[int]:
+    """``info[key]`` as a list of JSON integers; like safetensors, refuse floats, bools, text."""
+    value = info.get(key)
+    if not isinstance(value, list) or not all(type(x) is int for x in value):
+        raise WireError(
+            f"malformed body: tensor {name!r} {key} must be a list of integers, got {value!r}"
+        )
+    return value
 
 
 def _frombuffer(buf: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:

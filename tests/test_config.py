@@ -1,0 +1,389 @@
+"""Config files load, typos and bad values are refused by name, the token is resolved.
+
+Like zeroband's ``tests/test_configs.py``: every config file shipped in the
+repository is loaded here, so a renamed field cannot leave a stale example behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ds_diloco import cli
+from ds_diloco.config import (
+    TOKEN_ENV,
+    CoordinatorConfig,
+    ModelSource,
+    from_dict,
+    load_coordinator_config,
+)
+from ds_diloco.hf_model import build_model
+from ds_diloco.merge import StalenessPolicy
+from ds_diloco.outer_optim import OuterOptimConfig
+from ds_diloco.round_policy import PolicyOptions
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_CONFIGS = sorted((REPO / "model_configs").glob("*.json"))
+LAUNCH_CONFIGS = sorted((REPO / "launch").glob("*.yaml"))
+BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
+
+MINIMAL = {"model": {"config": "/models/m.json"}, "state_dir": "/state"}
+
+
+def with_changes(base: dict, changes: dict) -> dict:
+    """``base`` with dotted keys set (``{"policy.tau": 3}``); a value of ... deletes."""
+    data = json.loads(json.dumps(base))
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is ...:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def write_yaml(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# --------------------------------------------------------------- shipped files
+def test_the_repository_ships_configs():
+    assert MODEL_CONFIGS, "model_configs/ holds no *.json"
+    assert LAUNCH_CONFIGS, "launch/ holds no *.yaml"
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.name)
+def test_model_config_loads_and_builds(path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(str(path))
+    assert config.model_type == json.loads(path.read_text())["model_type"]
+    with torch.device("meta"):  # count without allocating
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert n_params > 0
+    if n_params > BUILD_LIMIT:
+        return
+    model = build_model(ModelSource(config=str(path), seed=0))
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)
+def test_launch_config_loads_with_paths_relative_to_the_file(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the working directory must not matter
+    cfg = load_coordinator_config(path)
+    raw = yaml.safe_load(path.read_text())
+    raw = raw.get("coordinator", raw)
+    for key in ("pretrained", "config"):
+        value = getattr(cfg.model, key)
+        if value is not None:
+            assert Path(value).is_absolute()
+            assert Path(value).resolve() == (path.parent / raw["model"][key]).resolve()
+            assert Path(value).exists(), f"{path.name}: model.{key} {value} does not exist"
+    assert Path(cfg.state_dir).is_absolute()
+    assert Path(cfg.state_dir).resolve() == (path.parent / raw["state_dir"]).resolve()
+
+
+def test_example_coordinator_config_values():
+    cfg = load_coordinator_config(REPO / "launch" / "coordinator.yaml")
+    assert Path(cfg.model.config).resolve() == REPO / "model_configs" / "tiny-llama.json"
+    assert Path(cfg.state_dir).resolve() == REPO / "runs" / "coordinator-state"
+    assert (cfg.num_fragments, cfg.sync_every, cfg.policy.tau) == (8, 8, 2)
+    assert isinstance(cfg.max_body_mb, float) and cfg.max_body_mb == 1024.0
+    assert cfg.outer == OuterOptimConfig(name="nesterov", lr=0.7, momentum=0.9)
+    assert cfg.staleness == StalenessPolicy(mode="drop")
+
+
+# --------------------------------------------------------------- loading and paths
+def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir("/")  # the working directory must not matter
+    path = write_yaml(
+        tmp_path / "conf" / "c.yaml",
+        {"model": {"config": "../models/m.json", "seed": 3}, "state_dir": "state"},
+    )
+    cfg = load_coordinator_config(path)
+    assert Path(cfg.model.config).resolve() == tmp_path / "models" / "m.json"
+    assert cfg.model.seed == 3
+    assert Path(cfg.state_dir) == tmp_path / "conf" / "state"
+
+    path = write_yaml(
+        tmp_path / "conf" / "p.yaml", {"model": {"pretrained": "hf"}, "state_dir": "/abs/state"}
+    )
+    cfg = load_coordinator_config(path)
+    assert Path(cfg.model.pretrained) == tmp_path / "conf" / "hf"
+    assert cfg.state_dir == "/abs/state"  # absolute paths are kept as they are
+
+
+def test_json_file_and_coordinator_section(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**MINIMAL, "num_fragments": 2, "sync_every": 4}))
+    cfg = load_coordinator_config(path)
+    assert (cfg.num_fragments, cfg.sync_every, cfg.model.config) == (2, 4, "/models/m.json")
+
+    path = write_yaml(tmp_path / "s.yaml", {"coordinator": {**MINIMAL, "port": 9000}})
+    assert load_coordinator_config(path).port == 9000
+    path = write_yaml(tmp_path / "bad.yaml", {"coordinator": ["not", "a", "mapping"]})
+    with pytest.raises(ValueError, match="'coordinator' must hold a mapping"):
+        load_coordinator_config(path)
+
+
+def test_defaults_from_a_minimal_dict():
+    cfg = from_dict(CoordinatorConfig, MINIMAL)
+    assert cfg == CoordinatorConfig(model=ModelSource(config="/models/m.json"), state_dir="/state")
+    assert isinstance(cfg.policy, PolicyOptions)
+    assert isinstance(cfg.outer, OuterOptimConfig)
+    assert isinstance(cfg.staleness, StalenessPolicy)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "must hold a mapping at the top level"),
+        ("- a\n- b\n", "must hold a mapping at the top level"),
+        ("model: [1,\n", "is not valid YAML"),
+        ("a: b: c\n", "is not valid YAML"),
+    ],
+)
+def test_unreadable_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_coordinator_config(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_coordinator_config(tmp_path / "missing.yaml")
+
+
+# --------------------------------------------------------------- unknown keys, types
+@pytest.mark.parametrize(
+    "key,dotted",
+    [
+        ("sync_evry", "sync_evry"),
+        ("policy.min_qourum", "policy.min_qourum"),
+        ("model.seeed", "model.seeed"),
+        ("outer.lrr", "outer.lrr"),
+        ("staleness.discount", "staleness.discount"),
+    ],
+)
+def test_unknown_keys_are_refused_by_dotted_path(tmp_path, key, dotted):
+    data = with_changes(MINIMAL, {key: 1})
+    with pytest.raises(ValueError, match=rf"unknown key\(s\) '{dotted}'; known: "):
+        from_dict(CoordinatorConfig, data)
+    with pytest.raises(ValueError, match=rf"'{dotted}'"):
+        load_coordinator_config(write_yaml(tmp_path / "c.yaml", data))
+
+
+def test_all_unknown_keys_are_listed_and_non_string_keys_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"'policy.a', 'policy.b'; known: grace_gamma"):
+        from_dict(CoordinatorConfig, with_changes(MINIMAL, {"policy.b": 1, "policy.a": 2}))
+    # YAML reads `on:` as the boolean True and `2:` as an integer.
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {config: m.json}\nstate_dir: s\non: 1\n2: 2\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) '2', 'True'"):
+        load_coordinator_config(path)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("num_fragments", "8", "num_fragments: expected int, got '8'"),
+        ("num_fragments", 8.0, "num_fragments: expected int, got 8.0"),
+        ("num_fragments", True, "num_fragments: expected int, got True"),
+        ("port", None, "port: expected int, got None"),
+        ("max_body_mb", "big", "max_body_mb: expected float, got 'big'"),
+        ("max_body_mb", True, "max_body_mb: expected float, got True"),
+        ("host", 127, "host: expected str, got 127"),
+        ("token", 123, "token: expected str, got 123"),
+        ("plain_patterns", "embed", "plain_patterns: expected a list"),
+        ("plain_patterns", ["embed", 1], "plain_patterns: expected str, got 1"),
+        ("policy.tau", 1.5, "policy.tau: expected int, got 1.5"),
+        ("outer.lr", "0.7", "outer.lr: expected float, got '0.7'"),
+        ("model.seed", "0", "model.seed: expected int, got '0'"),
+        ("model.config", 5, "model.config: expected str, got 5"),
+        ("model.config", ["a"], r"model.config: expected str, got \['a'\]"),
+        ("state_dir", 5, "state_dir: expected str, got 5"),
+        ("policy", 3, "^policy: expected a mapping, got int"),
+        ("outer", None, "^outer: expected a mapping, got NoneType"),
+        ("model", "m.json", "^model: expected a mapping, got str"),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_field(tmp_path, key, value, message):
+    data = with_changes(MINIMAL, {key: value})
+    with pytest.raises(ValueError, match=message):
+        load_coordinator_config(write_yaml(tmp_path / "c.yaml", data))
+
+
+def test_ints_are_accepted_for_floats():
+    cfg = from_dict(CoordinatorConfig, with_changes(MINIMAL, {"max_body_mb": 2, "outer.lr": 1}))
+    assert type(cfg.max_body_mb) is float and cfg.max_body_mb == 2.0
+    assert type(cfg.outer.lr) is float
+
+
+@pytest.mark.parametrize("missing", ["model", "state_dir"])
+def test_missing_required_field_is_named(missing):
+    with pytest.raises(ValueError, match=f"'{missing}'"):
+        from_dict(CoordinatorConfig, with_changes(MINIMAL, {missing: ...}))
+
+
+# --------------------------------------------------------------- validation rules
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"num_fragments": 0}, r"num_fragments must be >= 1, got 0"),
+        ({"fragmentation": "random"}, r"fragmentation must be 'balanced' or 'layer'"),
+        (
+            {"num_fragments": 4, "sync_every": 10},
+            r"sync_every \(10\) must be a multiple of num_fragments \(4\)",
+        ),
+        (
+            {"num_fragments": 4, "sync_every": 8, "policy.tau": 8},
+            r"policy.tau \(8\) must be < sync_every \(8\)",
+        ),
+        ({"save_every_merges": 0}, r"save_every_merges must be >= 1, got 0"),
+        ({"max_body_mb": 0}, r"max_body_mb must be > 0, got 0"),
+        ({"max_body_mb": -1.5}, r"max_body_mb must be > 0, got -1.5"),
+        ({"island_timeout_s": 0}, r"island_timeout_s must be > 0, got 0"),
+        ({"island_timeout_s": -1}, r"island_timeout_s must be > 0"),
+        ({"model.pretrained": "/hf"}, r"model: set exactly one of 'pretrained'"),
+        ({"model.config": ...}, r"model: set exactly one of 'pretrained'"),
+        ({"model.config": None}, r"model: set exactly one of 'pretrained'"),
+        # Nested configs validate themselves; their errors come through from_dict.
+        ({"policy.min_quorum": 0}, r"PolicyOptions.min_quorum must be >= 1"),
+        ({"policy.grace_gamma": 1.0}, r"PolicyOptions.grace_gamma must be in \[0, 1\)"),
+        ({"policy.max_grace_s": -1}, r"PolicyOptions.max_grace_s must be >= 0"),
+        ({"policy.tau": 0}, r"PolicyOptions.tau must be >= 1"),
+        ({"outer.name": "adam"}, r"OuterOptimConfig.name must be one of"),
+        ({"outer.lr": 0}, r"OuterOptimConfig.lr must be > 0"),
+        ({"outer.momentum": 1.0}, r"OuterOptimConfig.momentum must be in \[0, 1\)"),
+        ({"outer.every": 0}, r"OuterOptimConfig.every must be >= 1"),
+        ({"staleness.mode": "keep"}, r"StalenessPolicy.mode must be one of"),
+        ({"staleness.discount_lambda": -1}, r"StalenessPolicy.discount_lambda must be"),
+    ],
+)
+def test_validation_rules_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict(CoordinatorConfig, with_changes(MINIMAL, changes))
+
+
+def test_validation_boundaries_are_accepted():
+    ok = [
+        {"num_fragments": 1, "sync_every": 7, "policy.tau": 6},
+        {"num_fragments": 4, "sync_every": 4, "policy.tau": 3},
+        {"num_fragments": 3, "sync_every": 12, "fragmentation": "layer"},
+        {"save_every_merges": 1, "max_body_mb": 0.001, "island_timeout_s": 0.01},
+        {"model.config": ..., "model.pretrained": "/hf"},
+    ]
+    for changes in ok:
+        from_dict(CoordinatorConfig, with_changes(MINIMAL, changes))
+
+
+def test_rules_hold_for_direct_construction_too():
+    model = ModelSource(config="m.json")
+    with pytest.raises(ValueError, match="num_fragments"):
+        CoordinatorConfig(model=model, state_dir="s", num_fragments=0)
+    with pytest.raises(ValueError, match=r"policy\.tau"):
+        CoordinatorConfig(
+            model=model, state_dir="s", num_fragments=2, sync_every=2, policy=PolicyOptions(tau=2)
+        )
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelSource(config="m.json", pretrained="/hf")
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelSource()
+
+
+# --------------------------------------------------------------- token
+def token_cfg(tmp_path, **kw) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        model=ModelSource(config="m.json"), state_dir=str(tmp_path / "state"), **kw
+    )
+
+
+def test_token_from_config_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert token_cfg(tmp_path, token="from-config").resolve_token() == "from-config"
+    assert not (tmp_path / "state").exists()
+
+
+def test_token_from_environment_next(tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert token_cfg(tmp_path).resolve_token() == "from-env"
+    assert not (tmp_path / "state" / "token").exists()
+
+
+def test_token_file_created_private_and_reused(tmp_path, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cfg = token_cfg(tmp_path)
+    token = cfg.resolve_token()
+    path = tmp_path / "state" / "token"
+    assert path.read_text() == token
+    assert len(token) >= 32  # secrets.token_urlsafe(32): 256 random bits
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # a bearer token: owner only
+    assert cfg.resolve_token() == token
+    assert token_cfg(tmp_path).resolve_token() == token  # a restarted coordinator
+    other = tmp_path / "other"
+    assert token_cfg(other).resolve_token() != token  # random, not derived from anything
+
+
+def test_empty_token_file_is_refused(tmp_path, monkeypatch):
+    """An empty token would let in any request that sends ``Bearer `` with nothing."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "token").write_text("\n")
+    with pytest.raises(ValueError, match=r"token file .* is empty"):
+        token_cfg(tmp_path).resolve_token()
+
+
+# --------------------------------------------------------------- CLI
+@pytest.fixture
+def no_serving(monkeypatch):
+    """If a config loaded after all, fail instead of serving forever."""
+    import ds_diloco.server
+
+    def refuse(cfg):
+        raise AssertionError(f"the config loaded: {cfg}")
+
+    monkeypatch.setattr(ds_diloco.server, "serve_forever", refuse)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "model: {config: m.json}\nstate_dir: s\npolicy: {min_qourum: 2}\n",
+            "unknown key(s) 'policy.min_qourum'",
+        ),
+        ("model: {config: m.json}\nstate_dir: s\nnum_fragments: 0\n", "num_fragments must be"),
+        ("model: {config: [m.json\n", "is not valid YAML"),
+    ],
+)
+def test_cli_prints_one_error_line(tmp_path, capsys, no_serving, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert cli.main(["coordinator", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ds-diloco: error: ")
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_cli_missing_config_file(tmp_path, capsys, no_serving):
+    assert cli.main(["coordinator", "--config", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-diloco: error: config file ")
+    assert "does not exist" in err
