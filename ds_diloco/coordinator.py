@@ -30,6 +30,7 @@ from ds_diloco.merge import (
     Segment,
     is_plain_tensor,
     merge_fragment,
+    sq_norm,
     staleness_weight,
     token_weight,
 )
@@ -471,7 +472,7 @@ class Coordinator:
         sq = torch.empty(len(fs.segments), dtype=torch.float64)
         for i, seg in enumerate(fs.segments):
             t = slices[seg.name]
-            sq[i] = torch.dot(t, t).double() if t.numel() else 0.0
+            sq[i] = sq_norm(t)
         if not torch.isfinite(sq).all():
             bad = next(
                 s.name

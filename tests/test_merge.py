@@ -206,3 +206,15 @@ def test_merge_fragment_errors():
         segment_sq_norms(d, segs)
     with pytest.raises(ValueError, match="different tensors"):
         merge_reference([{"a": d}, {"b": d}], [1.0, 1.0], lambda n: True)
+
+
+def test_single_weighted_contribution_is_returned_unchanged_among_zero_weights():
+    g = torch.Generator().manual_seed(3)
+    segments = [Segment("embed", 0, 6), Segment("w", 6, 10)]
+    deltas = torch.randn(3, 16, generator=g)
+    out = merge_fragment(deltas, [0.0, 2.0, 0.0], segments, [False, True])
+    assert torch.equal(out, deltas[1])
+    ref = merge_reference(
+        [{"embed": d[:6], "w": d[6:]} for d in deltas], [0.0, 2.0, 0.0], lambda n: n == "embed"
+    )
+    assert torch.allclose(out[6:].double(), ref["w"], atol=1e-6)

@@ -1,0 +1,494 @@
+"""``ds-diloco bench coordinator``: the coordinator's two hot paths against plain baselines.
+
+(a) Outer step: the work ``Coordinator._merge`` does for one round, with the same
+functions and the same memory layout: ``merge.merge_fragment`` over the first K
+rows of one (capacity, F) fp32 buffer, squared norms precomputed per segment
+(the coordinator computes them at ingest), into a preallocated gradient, then
+``NesterovSGD.step``. Counted bytes: (K + 2) x F x 4 (K contributions, the
+global values, the momentum buffer). Baseline: ``dst.copy_(src)`` of as many
+bytes, both tensors preallocated.
+
+(b) Upload: one rank of a world-size-1 island sends a whole fragment to a real
+coordinator (``server.ServerThread``) over loopback, timed from
+``client.upload_body(body)`` (body pre-encoded) until the JSON reply is in.
+Baseline: a raw TCP ``sendall`` of as many bytes to a thread that reads them all
+into a preallocated buffer and answers 1 byte (the same request/response shape).
+No merge runs while timing: a second island is registered and never uploads,
+and ``min_quorum`` is 2, so the round never closes (checked: the version must
+not move). The same body sent to ``Coordinator.upload`` in-process splits the
+HTTP time into the coordinator's work and the transport's.
+
+The machine is noisy: measured and baseline repetitions are interleaved, in an
+order that rotates every round, after one untimed warm-up each, and medians are
+compared. The ratios are the result; absolute figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_diloco import wire
+from ds_diloco.client import CoordinatorClient, rank_slices
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
+from ds_diloco.merge import (
+    DEFAULT_PLAIN_PATTERNS,
+    Segment,
+    is_plain_tensor,
+    merge_fragment,
+    segment_sq_norms,
+    token_weight,
+)
+from ds_diloco.outer_optim import OuterOptimConfig, build_outer_optimizer
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+
+GOAL = 0.8
+"""Both ratios should reach this: the coordinator's paths run near memory/socket speed."""
+
+DEFAULT_KS = (1, 4, 8)
+"""Contributions per merge always measured, besides ``--contributions``."""
+
+TOKEN = "bench-token"
+_LAYERS = 4
+
+
+# --------------------------------------------------------------------- results
+@dataclass
+class Timing:
+    """One side of a comparison: wall seconds per repetition for ``nbytes`` of work."""
+
+    label: str
+    nbytes: int
+    seconds: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.median_s
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "median_s": self.median_s,
+            "bytes_per_s": self.bytes_per_s,
+        }
+
+
+@dataclass
+class Comparison:
+    """A measured path and its baseline over the same bytes; ``phases``: medians of parts."""
+
+    name: str
+    measured: Timing
+    baseline: Timing
+    phases: dict[str, float] = field(default_factory=dict)
+    goal: float = GOAL
+
+    @property
+    def ratio(self) -> float:
+        return self.measured.bytes_per_s / self.baseline.bytes_per_s
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.goal
+
+    def verdict(self) -> str:
+        return f"goal >= {self.goal:g}: {'met' if self.met else 'MISSED'}"
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "measured": self.measured.to_json(),
+            "baseline": self.baseline.to_json(),
+            "ratio": self.ratio,
+            "goal": self.goal,
+            "met": self.met,
+            "phases_median_s": self.phases,
+        }
+
+
+def interleave(
+    runs: dict[str, Callable[[], dict[str, float]]], repeats: int
+) -> dict[str, dict[str, list[float]]]:
+    """One untimed warm-up of each run, then ``repeats`` rounds of all of them.
+
+    The order rotates every round so that no side always follows the same
+    other one. Each run times itself and returns seconds per phase, its whole
+    time as ``"total"``; returns run -> phase -> seconds per round.
+    """
+    names = list(runs)
+    for name in names:
+        runs[name]()
+    out: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    for r in range(repeats):
+        i = r % len(names)
+        for name in names[i:] + names[:i]:
+            for phase, seconds in runs[name]().items():
+                out[name].setdefault(phase, []).append(seconds)
+    return out
+
+
+def _medians(phases: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in phases.items() if k != "total"}
+
+
+# ---------------------------------------------------------------------- model
+def _mlp_width(hidden: int) -> int:
+    return 64 * math.ceil(8 * hidden / 3 / 64)  # Llama's ~8/3 h, in multiples of 64
+
+
+def _block_numel(hidden: int) -> int:
+    heads = max(1, hidden // 64)
+    kv = max(1, heads // 2)
+    attn = 2 * hidden * hidden + 2 * hidden * kv * 64  # q, o; k, v (GQA 2:1, head dim 64)
+    return attn + 3 * hidden * _mlp_width(hidden) + 2 * hidden  # gate, up, down; 2 norms
+
+
+def llama_config(fragment_mb: float, layers: int = _LAYERS) -> dict:
+    """A Hugging Face Llama config whose parameters are about ``fragment_mb`` MiB of fp32.
+
+    Untied embeddings, head dim 64, GQA 2:1: the widest hidden size whose
+    blocks take at most 3/4 of the target, then the vocabulary fills the rest
+    (at least 32 tokens, so tiny targets come out somewhat larger).
+    """
+    if not fragment_mb > 0:
+        raise ValueError(f"--fragment-mb must be > 0, got {fragment_mb}")
+    target = int(fragment_mb * 2**20) // 4
+    hidden = 64
+    while layers * _block_numel(hidden + 64) <= 0.75 * target:
+        hidden += 64
+    heads = hidden // 64
+    vocab = max(32, (target - layers * _block_numel(hidden) - hidden) // (2 * hidden))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _mlp_width(hidden),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+
+
+def model_specs(config: dict) -> list[ParamSpec]:
+    """Parameter names and shapes of the model ``config`` describes (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return param_specs(model.named_parameters())
+
+
+def fragment_layout(specs: Sequence[ParamSpec]) -> tuple[Fragment, list[Segment], list[bool]]:
+    """The whole model as one fragment, its segments and RDA flags, as the coordinator sets them."""
+    frag = FragmentPlan.build(specs, 1, "balanced").fragments[0]
+    segments = [Segment(p.name, off, p.numel) for p, off in zip(frag.params, frag.offsets)]
+    rda = [not is_plain_tensor(p.name, DEFAULT_PLAIN_PATTERNS) for p in frag.params]
+    return frag, segments, rda
+
+
+# ------------------------------------------------------------ (a) outer step
+@dataclass
+class OuterStepRun:
+    """A finished outer-step comparison and what it computed (for checks)."""
+
+    k: int
+    comparison: Comparison
+    deltas: torch.Tensor
+    """(K, F) view of the contribution rows that were merged."""
+    weights: torch.Tensor
+    """(K,) float64 token weights."""
+    grad: torch.Tensor
+    """The merged pseudo-gradient of the last repetition."""
+
+
+def bench_outer_step(
+    segments: Sequence[Segment], rda: Sequence[bool], k: int, repeats: int, seed: int = 0
+) -> OuterStepRun:
+    """Time merge_fragment + NesterovSGD.step on K contributions against ``Tensor.copy_``."""
+    if k < 1:
+        raise ValueError(f"--contributions must be >= 1, got {k}")
+    f = sum(s.numel for s in segments)
+    gen = torch.Generator().manual_seed(seed)
+    capacity = 2  # the coordinator's row buffer starts at 2 rows and doubles
+    while capacity < k:
+        capacity *= 2
+    rows = torch.zeros(capacity, f)
+    deltas = rows[:k]
+    deltas.normal_(generator=gen)
+    # Pseudo-gradients of ~1e-3, of a different size per island, as islands differ.
+    deltas.mul_(1e-3 * (1 + torch.arange(k, dtype=torch.float32)).unsqueeze(1))
+    sq = torch.stack([segment_sq_norms(row, segments) for row in deltas])  # done at ingest
+    tokens = [4096 * (1 + i % 3) for i in range(k)]
+    steps = [24 + 8 * (i % 2) for i in range(k)]
+    weights = torch.tensor([token_weight(t, s) for t, s in zip(tokens, steps)], dtype=torch.float64)
+    values = torch.randn(f, generator=gen).mul_(0.02)
+    grad = torch.empty(f)
+    opt = build_outer_optimizer(OuterOptimConfig(name="nesterov"))
+
+    n = (k + 2) * f
+    src = torch.ones(n)
+    dst = torch.empty(n)
+
+    def outer_step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        g = merge_fragment(deltas, weights, segments, rda, sq_norms=sq, out=grad)
+        t1 = time.perf_counter()
+        opt.step(values, g)
+        t2 = time.perf_counter()
+        return {"total": t2 - t0, "merge_fragment": t1 - t0, "nesterov_step": t2 - t1}
+
+    def copy() -> dict[str, float]:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return {"total": time.perf_counter() - t0}
+
+    times = interleave({"outer_step": outer_step, "copy": copy}, repeats)
+    nbytes = 4 * n
+    comparison = Comparison(
+        name=f"outer step K={k}",
+        measured=Timing("merge_fragment + NesterovSGD.step", nbytes, times["outer_step"]["total"]),
+        baseline=Timing("torch copy_", nbytes, times["copy"]["total"]),
+        phases=_medians(times["outer_step"]),
+    )
+    return OuterStepRun(k=k, comparison=comparison, deltas=deltas, weights=weights, grad=grad)
+
+
+# --------------------------------------------------------------- (b) upload
+class _RawSink:
+    """Loopback TCP receiver: reads ``nbytes`` per message into one buffer, answers 1 byte."""
+
+    def __init__(self, nbytes: int):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(30)  # a client that never connects must not hang the thread
+        self.address = self._listener.getsockname()
+        self._buf = bytearray(nbytes)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="raw-sink")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as aiohttp does
+            view = memoryview(self._buf)
+            while True:
+                got = 0
+                while got < len(view):
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        return
+                    got += n
+                conn.sendall(b"\x01")
+
+    def close(self) -> None:
+        self._thread.join(timeout=10)
+        self._listener.close()
+
+
+@dataclass
+class UploadRun:
+    """A finished upload comparison and what the coordinator answered."""
+
+    comparison: Comparison
+    fragment_bytes: int
+    body_bytes: int
+    merges_during_timing: int
+    """Version steps of the fragment while timing: 0 unless a merge slipped in."""
+    replies: list[dict]
+
+
+def bench_upload(config: dict, repeats: int, seed: int = 0) -> UploadRun:
+    """Time HTTP uploads of a whole fragment to a real coordinator against a raw TCP send."""
+    with tempfile.TemporaryDirectory(prefix="ds-diloco-bench-") as tmp:
+        path = os.path.join(tmp, "llama.json")
+        with open(path, "w") as fh:
+            json.dump(config, fh)
+        cfg = CoordinatorConfig(
+            model=ModelSource(config=path, seed=seed),
+            state_dir=os.path.join(tmp, "state"),
+            num_fragments=1,
+            sync_every=2,
+            # Two islands registered, one uploading: the round never reaches its quorum.
+            policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1),
+            max_body_mb=1024.0,
+            token=TOKEN,
+        )
+        srv = ServerThread(cfg)
+        try:
+            return _time_uploads(srv, repeats, seed)
+        finally:
+            srv.stop(save=False)
+
+
+def _time_uploads(srv: ServerThread, repeats: int, seed: int) -> UploadRun:
+    client = CoordinatorClient(srv.url, TOKEN, retries=0)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    frag = plan.fragments[0]
+    for island in ("bench", "idle"):
+        client.register(island, 1, plan.signature)
+    gen = torch.Generator().manual_seed(seed)
+    full = {p.name: torch.randn(p.shape, generator=gen).mul_(1e-3) for p in frag.params}
+    slices = rank_slices(frag, full, 1, 0)
+    header = dict(island="bench", rank=0, world_size=1, fragment=0, base_version=0, tokens=4096)
+    # Every call needs a newer step (replays are refused): encode them all before timing.
+    bodies = [
+        wire.encode_upload(wire.UploadHeader(**header, step=step, steps=24), slices)
+        for step in range(1, 2 * (repeats + 1) + 1)
+    ]
+    del full, slices
+    pending = iter(bodies)
+    replies: list[dict] = []
+
+    def http() -> dict[str, float]:
+        body = next(pending)
+        t0 = time.perf_counter()
+        reply = client.upload_body(body)
+        t1 = time.perf_counter()
+        replies.append(reply)
+        return {"total": t1 - t0}
+
+    def in_process() -> dict[str, float]:
+        body = next(pending)
+        t0 = time.perf_counter()
+        reply = srv.coord.upload(body)
+        t1 = time.perf_counter()
+        replies.append(reply)
+        return {"total": t1 - t0}
+
+    payload = bodies[0]
+    sink = _RawSink(len(payload))
+    sock = socket.create_connection(sink.address)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as urllib3 does
+    ack = bytearray(1)
+
+    def raw() -> dict[str, float]:
+        t0 = time.perf_counter()
+        sock.sendall(payload)
+        if sock.recv_into(ack) != 1:
+            raise ConnectionError("the raw sink closed the connection")
+        return {"total": time.perf_counter() - t0}
+
+    try:
+        before = srv.coord.versions()
+        times = interleave({"http": http, "raw": raw, "in_process": in_process}, repeats)
+        merges = sum(a - b for a, b in zip(srv.coord.versions(), before))
+    finally:
+        sock.close()
+        sink.close()
+        client.session.close()  # an open keep-alive connection would hold up the server's stop
+    bad = [r for r in replies if r.get("status") != "accepted"]
+    if bad:
+        raise RuntimeError(f"the coordinator did not accept every upload: {bad[:2]}")
+    nbytes = len(payload)
+    http_label = "HTTP upload (requests -> aiohttp -> Coordinator.upload)"
+    comparison = Comparison(
+        name="upload",
+        measured=Timing(http_label, nbytes, times["http"]["total"]),
+        baseline=Timing("raw TCP sendall + 1-byte reply", nbytes, times["raw"]["total"]),
+        phases={"coordinator_upload_in_process": statistics.median(times["in_process"]["total"])},
+    )
+    return UploadRun(
+        comparison=comparison,
+        fragment_bytes=frag.nbytes,
+        body_bytes=nbytes,
+        merges_during_timing=merges,
+        replies=replies,
+    )
+
+
+# ------------------------------------------------------------------- report
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def format_report(
+    header: str, outer: Sequence[Comparison], upload: Comparison, headline_k: int
+) -> str:
+    lines = [header, "(a) outer step (bytes = (K+2) x F x 4) vs torch copy_ of as many bytes"]
+    for c in outer:
+        p = c.phases
+        mark = "  <- --contributions" if c.name == f"outer step K={headline_k}" else ""
+        lines.append(
+            f"    {c.name.removeprefix('outer step ')}: merge+Nesterov "
+            f"{c.measured.bytes_per_s / 1e9:.2f} GB/s ({_ms(c.measured.median_s)}: merge "
+            f"{_ms(p['merge_fragment'])} + step {_ms(p['nesterov_step'])})  vs copy "
+            f"{c.baseline.bytes_per_s / 1e9:.2f} GB/s ({_ms(c.baseline.median_s)})  "
+            f"ratio {c.ratio:.2f}  ({c.verdict()}){mark}"
+        )
+    inproc = upload.phases["coordinator_upload_in_process"]
+    lines += [
+        f"(b) upload of {upload.measured.nbytes / 2**20:.1f} MiB over loopback: HTTP "
+        f"{upload.measured.bytes_per_s / 1e6:.0f} MB/s ({_ms(upload.measured.median_s)})  vs raw "
+        f"socket {upload.baseline.bytes_per_s / 1e6:.0f} MB/s ({_ms(upload.baseline.median_s)})  "
+        f"ratio {upload.ratio:.2f}  ({upload.verdict()})",
+        f"    same body to Coordinator.upload in-process (decode, validate, copy into its row): "
+        f"{_ms(inproc)}; the rest of the HTTP time (client, socket, aiohttp): "
+        f"{_ms(upload.measured.median_s - inproc)}",
+    ]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """The CLI's ``bench coordinator``: args.fragment_mb, args.contributions, args.repeats
+    and an optional args.json (path of a JSON summary)."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.contributions < 1:
+        raise ValueError(f"--contributions must be >= 1, got {args.contributions}")
+    config = llama_config(args.fragment_mb)
+    _frag, segments, rda = fragment_layout(model_specs(config))
+    f = sum(s.numel for s in segments)
+    outer = []
+    for k in sorted({*DEFAULT_KS, args.contributions}):
+        outer.append(bench_outer_step(segments, rda, k, args.repeats).comparison)
+    upload = bench_upload(config, args.repeats)
+    if upload.merges_during_timing:
+        raise RuntimeError("a merge ran during the upload timing: the figures are not uploads")
+    header = (
+        f"ds-diloco bench coordinator  (fragment {4 * f / 2**20:.1f} MiB fp32 = "
+        f"{len(segments)} tensors of a {config['num_hidden_layers']}-layer Llama, hidden "
+        f"{config['hidden_size']}, vocab {config['vocab_size']}; {torch.get_num_threads()} "
+        f"torch threads; median of {args.repeats}, interleaved)"
+    )
+    print(format_report(header, outer, upload.comparison, args.contributions), flush=True)
+    path = getattr(args, "json", None)
+    if path:
+        summary = {
+            "fragment_bytes": 4 * f,
+            "tensors": len(segments),
+            "model": config,
+            "torch_threads": torch.get_num_threads(),
+            "repeats": args.repeats,
+            "contributions": args.contributions,
+            "outer_step": [c.to_json() for c in outer],
+            "upload": upload.comparison.to_json(),
+        }
+        with open(path, "w") as fh:
+            json.dump(summary, fh, indent=2)
+    return 0

@@ -1,0 +1,86 @@
+"""Smoke test of ``ds-diloco bench coordinator`` at a tiny size: it runs the real paths.
+
+No timing is asserted (the figures depend on the machine); what is asserted is
+that both sides of each comparison ran and that the benchmark's outer step really
+computed the merge the coordinator would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ds_diloco import cli
+from ds_diloco.bench.coordinator import (
+    bench_outer_step,
+    bench_upload,
+    fragment_layout,
+    llama_config,
+    model_specs,
+)
+from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, is_plain_tensor, merge_reference
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _positive_finite(comparison) -> None:
+    for side in (comparison.measured, comparison.baseline):
+        assert len(side.seconds) == 1 and side.nbytes > 0, side
+        assert math.isfinite(side.bytes_per_s) and side.bytes_per_s > 0, side
+    assert math.isfinite(comparison.ratio) and comparison.ratio > 0
+
+
+def test_llama_config_is_sized_to_the_fragment_and_has_both_merge_kinds():
+    config = llama_config(4.0)
+    _frag, segments, rda = fragment_layout(model_specs(config))
+    mib = 4 * sum(s.numel for s in segments) / 2**20
+    assert 3.5 < mib <= 4.0, mib
+    assert any(rda) and not all(rda)  # RDA matrices and plainly averaged embeddings
+    assert sum(1 for s in segments if s.name.endswith("norm.weight")) == 2 * 4 + 1
+
+
+def test_outer_step_bench_computes_the_reference_merge():
+    _frag, segments, rda = fragment_layout(model_specs(llama_config(1.0)))
+    f = sum(s.numel for s in segments)
+    run = bench_outer_step(segments, rda, k=3, repeats=1)
+    _positive_finite(run.comparison)
+    assert run.comparison.measured.nbytes == run.comparison.baseline.nbytes == (3 + 2) * f * 4
+    assert set(run.comparison.phases) == {"merge_fragment", "nesterov_step"}
+
+    assert run.grad.shape == (f,) and bool(torch.isfinite(run.grad).all())
+    contributions = [
+        {s.name: row[s.offset : s.offset + s.numel] for s in segments} for row in run.deltas
+    ]
+    ref = merge_reference(
+        contributions, run.weights, lambda name: is_plain_tensor(name, DEFAULT_PLAIN_PATTERNS)
+    )
+    for s in segments:
+        got = run.grad[s.offset : s.offset + s.numel]
+        torch.testing.assert_close(got, ref[s.name].float(), rtol=1e-4, atol=1e-9)
+
+
+def test_upload_bench_times_accepted_uploads_without_merges():
+    run = bench_upload(llama_config(1.0), repeats=1)
+    _positive_finite(run.comparison)
+    assert run.merges_during_timing == 0
+    # warm-up and one timed round, over HTTP and in-process
+    assert len(run.replies) == 4
+    assert all(r["status"] == "accepted" and r["version"] == 0 for r in run.replies)
+    assert run.body_bytes == run.comparison.baseline.nbytes > run.fragment_bytes
+    assert run.comparison.phases["coordinator_upload_in_process"] > 0
+
+
+def test_cli_prints_the_table_and_writes_the_json_summary(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "coordinator", "--fragment-mb", "0.5", "--contributions", "2"]
+    assert cli.main([*argv, "--repeats", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(a) outer step" in out and "(b) upload" in out and out.count("ratio") == 5
+    summary = json.loads(path.read_text())
+    assert [c["name"] for c in summary["outer_step"]] == [f"outer step K={k}" for k in (1, 2, 4, 8)]
+    for c in [*summary["outer_step"], summary["upload"]]:
+        assert c["ratio"] > 0 and c["measured"]["bytes_per_s"] > 0
+        assert c["baseline"]["bytes_per_s"] > 0
