@@ -1,0 +1,91 @@
+"""`ds-diloco coordinator --config FILE` as a real process: start, merge, SIGTERM, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ds_diloco import wire
+from ds_diloco.client import CoordinatorClient, rank_slices
+from ds_diloco.fragments import FragmentPlan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(config_file, port):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(config_file)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    client = CoordinatorClient(f"http://127.0.0.1:{port}", "tok", retries=0, timeout_s=5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            client.health()
+            return proc, client
+        except Exception:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read()) from None
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("coordinator did not come up: " + proc.stdout.read())
+
+
+def test_pretrained_folder_sigterm_and_resume(tiny_config_path, tmp_path):
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
+    model.save_pretrained(tmp_path / "pretrained")  # a real HF folder: config + safetensors
+    port = free_port()
+    config_file = tmp_path / "coordinator.yaml"
+    config_file.write_text(json.dumps({
+        "model": {"pretrained": "pretrained"}, "state_dir": "state", "port": port,
+        "num_fragments": 2, "sync_every": 2, "token": "tok", "save_every_merges": 1000,
+        "policy": {"min_quorum": 1, "grace_gamma": 0.0, "tau": 1},
+    }))  # fmt: skip
+    proc, client = start(config_file, port)
+    try:
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        frag = plan.fragments[0]
+        assert client.download(0, 1, 0)[0] == 0
+        slices = client.download(0, 1, 0)[1]
+        for p in frag.params:  # the global model is the pretrained checkpoint
+            want = dict(model.named_parameters())[p.name].detach().reshape(-1)
+            assert torch.equal(slices[p.name], want), p.name
+        client.register("a", 1, plan.signature)
+        delta = {p.name: torch.full(p.shape, 1e-2) for p in frag.params}
+        header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                                   step=2, tokens=8, steps=2)  # fmt: skip
+        client.upload(header, rank_slices(frag, delta, 1, 0))
+        deadline = time.monotonic() + 20
+        while client.versions() != [1, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.versions() == [1, 0]
+        merged = client.download(0, 1, 0)[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "saving state" in out
+
+    proc, client = start(config_file, port)
+    try:
+        assert client.versions() == [1, 0]  # saved on SIGTERM although save_every_merges is high
+        again = client.download(0, 1, 0)[1]
+        assert all(torch.equal(again[n], merged[n]) for n in merged)
+        assert client.status()["islands"]["a"]["last_step"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
