@@ -27,8 +27,7 @@ from ds_diloco import wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
 from ds_diloco.merge import (
-    Segment,
-    is_plain_tensor,
+    fragment_layout,
     merge_fragment,
     sq_norm,
     staleness_weight,
@@ -140,10 +139,7 @@ class _Island:
 class _FragmentState:
     def __init__(self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns):
         self.fragment = fragment
-        self.segments = [
-            Segment(p.name, off, p.numel) for p, off in zip(fragment.params, fragment.offsets)
-        ]
-        self.rda = [not is_plain_tensor(p.name, plain_patterns) for p in fragment.params]
+        self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.values = values
         self.optimizer = optimizer
         self.version = 0

@@ -99,6 +99,12 @@ class Segment:
     numel: int
 
 
+def fragment_layout(fragment, plain_patterns: Sequence[str]) -> tuple[list[Segment], list[bool]]:
+    """A fragment's segments in its flat buffer, and which of them merge by RDA."""
+    segments = [Segment(p.name, off, p.numel) for p, off in zip(fragment.params, fragment.offsets)]
+    return segments, [not is_plain_tensor(p.name, plain_patterns) for p in fragment.params]
+
+
 def sq_norm(x: Tensor) -> float:
     """Sum of squares of a 1-D fp32 tensor, accumulated in float64 across chunks.
 

@@ -17,9 +17,9 @@ from ds_diloco import cli
 from ds_diloco.bench.coordinator import (
     bench_outer_step,
     bench_upload,
-    fragment_layout,
     llama_config,
     model_specs,
+    whole_model_layout,
 )
 from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, is_plain_tensor, merge_reference
 
@@ -35,7 +35,7 @@ def _positive_finite(comparison) -> None:
 
 def test_llama_config_is_sized_to_the_fragment_and_has_both_merge_kinds():
     config = llama_config(4.0)
-    _frag, segments, rda = fragment_layout(model_specs(config))
+    _frag, segments, rda = whole_model_layout(model_specs(config))
     mib = 4 * sum(s.numel for s in segments) / 2**20
     assert 3.5 < mib <= 4.0, mib
     assert any(rda) and not all(rda)  # RDA matrices and plainly averaged embeddings
@@ -43,7 +43,7 @@ def test_llama_config_is_sized_to_the_fragment_and_has_both_merge_kinds():
 
 
 def test_outer_step_bench_computes_the_reference_merge():
-    _frag, segments, rda = fragment_layout(model_specs(llama_config(1.0)))
+    _frag, segments, rda = whole_model_layout(model_specs(llama_config(1.0)))
     f = sum(s.numel for s in segments)
     run = bench_outer_step(segments, rda, k=3, repeats=1)
     _positive_finite(run.comparison)

@@ -45,7 +45,7 @@ from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
 from ds_diloco.merge import (
     DEFAULT_PLAIN_PATTERNS,
     Segment,
-    is_plain_tensor,
+    fragment_layout,
     merge_fragment,
     segment_sq_norms,
     token_weight,
@@ -201,11 +201,10 @@ def model_specs(config: dict) -> list[ParamSpec]:
     return param_specs(model.named_parameters())
 
 
-def fragment_layout(specs: Sequence[ParamSpec]) -> tuple[Fragment, list[Segment], list[bool]]:
+def whole_model_layout(specs: Sequence[ParamSpec]) -> tuple[Fragment, list[Segment], list[bool]]:
     """The whole model as one fragment, its segments and RDA flags, as the coordinator sets them."""
     frag = FragmentPlan.build(specs, 1, "balanced").fragments[0]
-    segments = [Segment(p.name, off, p.numel) for p, off in zip(frag.params, frag.offsets)]
-    rda = [not is_plain_tensor(p.name, DEFAULT_PLAIN_PATTERNS) for p in frag.params]
+    segments, rda = fragment_layout(frag, DEFAULT_PLAIN_PATTERNS)
     return frag, segments, rda
 
 
@@ -462,7 +461,7 @@ def main(args) -> int:
     if args.contributions < 1:
         raise ValueError(f"--contributions must be >= 1, got {args.contributions}")
     config = llama_config(args.fragment_mb)
-    _frag, segments, rda = fragment_layout(model_specs(config))
+    _frag, segments, rda = whole_model_layout(model_specs(config))
     f = sum(s.numel for s in segments)
     outer = []
     for k in sorted({*DEFAULT_KS, args.contributions}):
