@@ -82,6 +82,9 @@ class CoordinatorClient:
     def plan(self) -> dict:
         return self._request("GET", "/v1/plan").json()
 
+    def model_config(self) -> dict:
+        return self._request("GET", "/v1/model-config").json()
+
     def versions(self, island: str | None = None) -> list[int]:
         params = {"island": island} if island else None
         return self._request("GET", "/v1/versions", params=params).json()["versions"]

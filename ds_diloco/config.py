@@ -131,6 +131,135 @@ class CoordinatorConfig:
         return token
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """An island's text: where it comes from, how it becomes fixed-length token blocks."""
+
+    path: str
+    """Text file or folder (*.txt), .json/.jsonl/.parquet files, or a ``load_dataset`` name."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer folder; None trains a byte-level BPE on the corpus (cached)."""
+    vocab_size: int = 4096
+    """Vocabulary of the trained tokenizer (ignored with ``tokenizer``)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    text_field: str = "text"
+    """Column holding the text in json/parquet/hub datasets."""
+    heldout_fraction: float = 0.02
+    """Share of blocks held out for evaluation (the same blocks on every island)."""
+    cache_dir: str = ".cache/ds_diloco"
+    """Tokenizer and packed blocks are cached here, keyed by the corpus fingerprint."""
+    seed: int = 0
+    """Seed of the held-out split and of each shard's batch order."""
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(
+                f"data.heldout_fraction must be in (0, 1), got {self.heldout_fraction}"
+            )
+        if self.vocab_size < 259:
+            raise ValueError(
+                f"data.vocab_size must be >= 259 (bytes + 3 specials), got {self.vocab_size}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The inner loop of one island."""
+
+    steps: int = 200
+    """Inner steps to run (each: one micro-batch per rank, then an AdamW step)."""
+    micro_batch: int = 4
+    """Sequences per rank per step."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in inner steps."""
+    blend_alpha: float = 0.0
+    """Applying a merged fragment: local = alpha * local + (1 - alpha) * global (0: overwrite)."""
+    log_every: int = 10
+    """Write a progress record every this many steps."""
+    eval_every: int = 0
+    """Evaluate the island's model on held-out blocks every this many steps (0: never)."""
+    eval_batches: int = 4
+    """Held-out micro-batches per evaluation."""
+    seed: int = 0
+    """Seed of the island's (non-global) randomness."""
+
+    def __post_init__(self):
+        for name in ("steps", "micro_batch", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.eval_every < 0:
+            raise ValueError("train.warmup_steps and train.eval_every must be >= 0")
+        if not 0.0 <= self.blend_alpha < 1.0:
+            raise ValueError(f"train.blend_alpha must be in [0, 1), got {self.blend_alpha}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IslandConfig:
+    """What every rank of one island runs (``ds-diloco island --config FILE``)."""
+
+    island: str
+    """The island's id at the coordinator."""
+    coordinator_url: str
+    """Where the coordinator listens, e.g. http://10.0.0.1:8470."""
+    model: ModelSource
+    """The model to build (its values are replaced by the coordinator's at start)."""
+    deepspeed_config: str
+    """A DeepSpeed ZeRO-3 config (JSON); batch sizes are set from ``train``."""
+    data: DataConfig
+    """The text and its tokenisation."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Inner-loop settings."""
+    shard: int = 0
+    """This island's data shard ..."""
+    num_shards: int = 1
+    """... of this many (islands train on disjoint shards)."""
+    workdir: str = "runs/island"
+    """Progress records (progress.jsonl) and the summary go here."""
+    token: str | None = None
+    """Bearer token; default: $DS_DILOCO_TOKEN."""
+
+    def __post_init__(self):
+        if not 0 <= self.shard < self.num_shards:
+            raise ValueError(
+                f"shard must be in [0, num_shards={self.num_shards}), got {self.shard}"
+            )
+        if not self.coordinator_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"coordinator_url must be http(s)://host:port, got {self.coordinator_url!r}"
+            )
+
+    def resolve_token(self) -> str:
+        token = self.token or os.environ.get(TOKEN_ENV)
+        if not token:
+            raise ValueError(f"island {self.island!r}: no token (set 'token' or ${TOKEN_ENV})")
+        return token
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IslandSpec:
+    """One island of a local run."""
+
+    name: str
+    """Island id."""
+    world_size: int = 1
+    """ZeRO-3 ranks (processes) of this island."""
+    master_port: int | None = None
+    """torch.distributed port of this island (default: picked free)."""
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"islands[{self.name}].world_size must be >= 1, got {self.world_size}")
+
+
 def from_dict(cls, data: Any, where: str = ""):
     """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by dotted path."""
     if not isinstance(data, dict):

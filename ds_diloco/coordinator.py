@@ -192,7 +192,7 @@ class Coordinator:
     def _init_from_model(self) -> None:
         from ds_diloco.hf_model import initial_params
 
-        named = initial_params(self.cfg.model)
+        named = initial_params(self.cfg.model, save_config_to=str(self.store.model_dir))
         self._build_fragments(param_specs(named))
         tensors = dict(named)
         for frag in self.plan.fragments:
@@ -296,6 +296,12 @@ class Coordinator:
                 isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
                 self._drop_pending(island)
         return {"island": island, "world_size": world_size, **self.plan_info()}
+
+    def model_config(self) -> dict:
+        """The HF config.json of the global model (for export)."""
+        import json
+
+        return json.loads((self.store.model_dir / "config.json").read_text())
 
     def plan_info(self) -> dict:
         return {

@@ -30,7 +30,15 @@ def build_model(source: ModelSource):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def initial_params(source: ModelSource) -> list[tuple[str, torch.Tensor]]:
-    """(name, fp32 tensor) in model order, detached from the model."""
+def initial_params(source: ModelSource, save_config_to: str | None = None):
+    """(name, fp32 tensor) in model order, detached from the model.
+
+    With ``save_config_to``, the model's config (and generation config) is saved
+    there too, so that the global model can be exported without the source.
+    """
     model = build_model(source)
+    if save_config_to is not None:
+        model.config.save_pretrained(save_config_to)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(save_config_to)
     return [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]

@@ -49,6 +49,7 @@ class CoordinatorServer:
                 web.get("/v1/status", self.status),
                 web.get("/v1/plan", self.plan),
                 web.get("/v1/versions", self.versions),
+                web.get("/v1/model-config", self.model_config),
                 web.post("/v1/islands", self.register),
                 web.post("/v1/upload", self.upload),
                 web.get("/v1/fragments/{fragment}", self.download),
@@ -94,6 +95,9 @@ class CoordinatorServer:
 
     async def plan(self, request):
         return web.json_response(self.coord.plan_info())
+
+    async def model_config(self, request):
+        return web.json_response(await self._run(self.coord.model_config))
 
     async def versions(self, request):
         island = request.query.get("island")

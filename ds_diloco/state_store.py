@@ -2,6 +2,7 @@
 
 Layout of ``state_dir``:
   coordinator.json          plan, island table, counters (JSON)
+  model/config.json         the global model's Hugging Face config (for export)
   versions.json             version high-water marks, written before a version is served
   fragments/frag-00007.safetensors   global values + outer optimizer state of fragment 7
 
@@ -43,6 +44,11 @@ def atomic_write(path: Path, data: bytes) -> None:
 class StateStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+
+    @property
+    def model_dir(self) -> Path:
+        """The global model's HF config.json (and generation_config.json)."""
+        return self.root / "model"
 
     def _frag_path(self, index: int) -> Path:
         return self.root / "fragments" / f"frag-{index:05d}.safetensors"
