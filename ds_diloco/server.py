@@ -24,6 +24,7 @@ from ds_diloco.coordinator import Coordinator, CoordinatorError
 log = logging.getLogger(__name__)
 VERSION_HEADER = "X-DS-Diloco-Version"
 _IDLE_POLL_S = 0.25
+_MAX_WAIT_S = 30.0  # longest long poll
 _READ_BUFSIZE = 16 * 1024 * 1024
 
 
@@ -100,9 +101,32 @@ class CoordinatorServer:
         return web.json_response(await self._run(self.coord.model_config))
 
     async def versions(self, request):
+        """Versions now, or (with known=v0,v1,... and wait=S) once one is newer than known."""
         island = request.query.get("island")
         if island:
             self.coord.touch(island)
+        if "known" in request.query:
+            try:
+                known = [int(v) for v in request.query["known"].split(",")]
+                wait = min(float(request.query.get("wait", 0)), _MAX_WAIT_S)
+            except ValueError:
+                raise CoordinatorError(400, "versions: known=v0,v1,... and wait=seconds") from None
+            if len(known) != len(self.coord.versions()):
+                raise CoordinatorError(
+                    400, f"versions: known has {len(known)} entries, there are "
+                    f"{len(self.coord.versions())} fragments"
+                )  # fmt: skip
+
+            def newer():
+                return any(v > k for v, k in zip(self.coord.versions(), known))
+
+            deadline = asyncio.get_running_loop().time() + wait
+            while not newer():  # long poll: no traffic while nothing changes
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._published.wait(), left)
         return web.json_response({"versions": self.coord.versions()})
 
     async def register(self, request):
@@ -188,10 +212,13 @@ class CoordinatorServer:
         if fut.exception() is not None:
             log.error("merge of fragment %d failed", i, exc_info=fut.exception())
         self._kick.set()
+        published, self._published = self._published, asyncio.Event()
+        published.set()  # wakes the long polls waiting for this merge
 
     # ------------------------------------------------------------ life cycle
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._kick = asyncio.Event()
+        self._published = asyncio.Event()  # set (and replaced) after every merge
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

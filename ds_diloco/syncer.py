@@ -79,7 +79,9 @@ class SyncStats:
     dropped: int = 0
     refused: int = 0
     failed: int = 0
+    bad_responses: int = 0
     applied: int = 0
+    agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
 
 
 class FragmentSyncer:
@@ -95,47 +97,92 @@ class FragmentSyncer:
         rank: int = 0,
         alpha: float = 0.0,
         poll_s: float = 0.05,
+        long_poll_s: float = 2.0,
+        agree=None,
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
         self.client, self.island, self.plan, self.schedule = client, island, plan, schedule
         self.access, self.world_size, self.rank = access, world_size, rank
-        self.alpha, self.poll_s = alpha, poll_s
+        self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
+        # agree(values) -> (mins, maxs) over the island's ranks; one rank needs none.
+        self.agree = agree or (lambda values: (values, values))
         self.slots = [_Slot() for _ in plan.fragments]
         self.stats = SyncStats()
         self._lock = threading.Lock()
         self._uploads: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._worker, name=f"sync-{island}-{rank}", daemon=True
-        )
+        self._threads = [
+            threading.Thread(target=fn, name=f"{fn.__name__}-{island}-{rank}", daemon=True)
+            for fn in (self._uploader, self._downloader)
+        ]
 
     # ----------------------------------------------------------- training side
-    def bootstrap(self) -> list[int]:
-        """Take every fragment's current global value (blocking: before training starts)."""
-        for frag in self.plan.fragments:
-            got = self.client.download(frag.index, self.world_size, self.rank, island=self.island)
-            self._apply(frag, *got, blend=False)
-        self._thread.start()
-        return self.versions()
+    def bootstrap(self, attempts: int = 20) -> list[int]:
+        """Take every fragment's current global value, the same version on every rank.
+
+        Blocking: runs before training starts. A merge between two ranks' downloads
+        gives them different versions; the ones behind download again.
+        """
+        todo = list(self.plan.fragments)
+        for _ in range(attempts):
+            got = {f.index: self._download(f, after=None) for f in todo}
+            versions = [got[f.index][0] if got[f.index] else -1 for f in todo]
+            lows, highs = self.agree(versions)
+            retry = []
+            for f, lo, hi in zip(todo, lows, highs):
+                if lo == hi >= 0:
+                    self._apply(f, *got[f.index], blend=False)
+                else:
+                    retry.append(f)
+            self._flush()
+            if not retry:
+                for t in self._threads:
+                    t.start()
+                return self.versions()
+            todo = retry
+            time.sleep(self.poll_s)
+        raise RuntimeError(
+            f"{self.island}/{self.rank}: ranks could not agree on the versions of fragments "
+            f"{[f.index for f in todo]} after {attempts} attempts"
+        )
 
     def versions(self) -> list[int]:
         return [s.version for s in self.slots]
 
     def on_step(self, step: int, tokens: int) -> list[int]:
-        """Call after inner step ``step`` (from 1); returns the fragments applied now."""
-        applied = []
-        for frag, slot in zip(self.plan.fragments, self.slots):
+        """Call after inner step ``step`` (from 1) with the island's tokens of that step.
+
+        Applies the merged fragments that every rank holds (same version) and whose
+        tau steps are over, then queues the fragment due now. Never touches the
+        network; the only wait is the island's small agreement collective, and only
+        at steps where a result is due (the same steps on every rank).
+        """
+        for slot in self.slots:
             slot.tokens += tokens
             slot.steps += 1
+        due = [
+            (frag, slot)
+            for frag, slot in zip(self.plan.fragments, self.slots)
+            if slot.sent_step is not None and step >= self.schedule.apply_at(slot.sent_step)
+        ]
+        applied = []
+        if due:
             with self._lock:
-                ready = slot.ready
-                due = slot.sent_step is not None and step >= self.schedule.apply_at(slot.sent_step)
-                if ready is not None and due:
-                    slot.ready, slot.sent_step = None, None
-            if ready is not None and due:
-                self._apply(frag, *ready, blend=True)
-                applied.append(frag.index)
+                held = [slot.ready for _, slot in due]
+            t0 = time.perf_counter()
+            lows, highs = self.agree([h[0] if h else -1 for h in held])
+            self.stats.agree_s += time.perf_counter() - t0
+            for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
+                if lo == hi >= 0:  # every rank holds the same new version: apply it now
+                    with self._lock:
+                        slot.ready, slot.sent_step = None, None
+                    self._apply(frag, *h, blend=True)
+                    applied.append(frag.index)
+                elif h is not None and h[0] < hi:  # behind another rank: fetch again
+                    with self._lock:
+                        slot.ready = None
+            self._flush()
         p = self.schedule.due(step)
         if p is not None:
             self._send(self.plan.fragments[p], step)
@@ -159,26 +206,88 @@ class FragmentSyncer:
         self._uploads.put((header, delta))
 
     def _apply(self, frag: Fragment, version: int, slices: dict[str, torch.Tensor], blend: bool):
+        """Write a downloaded global fragment (owned fp32 slices) and make it the new base."""
         slot = self.slots[frag.index]
         for name in frag.names:
-            new = slices[name].float()
+            new = slices[name]
             if blend and self.alpha > 0.0:
                 new = self.alpha * self.access.read(name) + (1.0 - self.alpha) * new
             self.access.write(name, new)
-            slot.base[name] = slices[name].float().clone()
+            slot.base[name] = slices[name]  # the base is the global value, never the blend
         slot.version, slot.tokens, slot.steps = version, 0, 0
         self.stats.applied += 1
 
+    def _flush(self) -> None:
+        flush = getattr(self.access, "flush", None)
+        if flush is not None:
+            flush()
+
+    def _download(self, frag: Fragment, after: int | None):
+        """(version, slices) checked whole against the plan, or None; never raises."""
+        try:
+            got = self.client.download(
+                frag.index, self.world_size, self.rank, after=after, island=self.island
+            )
+        except Exception as e:  # unreachable or refused: try again later
+            self.stats.failed += 1
+            log.warning(
+                "%s/%d download of fragment %d failed: %s", self.island, self.rank, frag.index, e
+            )
+            return None
+        if got is None:
+            return None
+        version, slices = got
+        problem = self._check(frag, slices)
+        if problem:  # never applied half-way: the whole answer is dropped
+            self.stats.bad_responses += 1
+            log.error(
+                "%s/%d bad answer for fragment %d v%d: %s",
+                self.island,
+                self.rank,
+                frag.index,
+                version,
+                problem,
+            )
+            return None
+        return version, {n: t.float().clone() for n, t in slices.items()}
+
+    def _check(self, frag: Fragment, slices: dict[str, torch.Tensor]) -> str | None:
+        if set(slices) != set(frag.names):
+            return f"tensors {sorted(set(slices) ^ set(frag.names))[:4]} missing or unexpected"
+        for p in frag.params:
+            t = slices[p.name]
+            a, b = shard_range(p.numel, self.world_size, self.rank)
+            if t.dim() != 1 or t.numel() != b - a:
+                return f"{p.name}: {t.numel()} values, expected {b - a}"
+            if not torch.isfinite(t).all():
+                return f"{p.name}: NaN or Inf"
+        return None
+
     # ---------------------------------------------------------- network side
-    def _worker(self) -> None:
+    def _uploader(self) -> None:
         while not self._stop.is_set():
             try:
                 header, delta = self._uploads.get(timeout=self.poll_s)
             except queue.Empty:
-                self._poll_results()
                 continue
             self._upload(header, delta)
             self._uploads.task_done()
+
+    def _downloader(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                waiting = [s.sent_step is not None and s.ready is None for s in self.slots]
+            if not any(waiting):
+                time.sleep(self.poll_s)
+                continue
+            try:  # long poll: returns at once when a fragment is newer than what we hold
+                self.client.versions(self.island, known=self.versions(), wait=self.long_poll_s)
+            except Exception as e:
+                self.stats.failed += 1
+                log.warning("%s/%d versions: %s", self.island, self.rank, e)
+                self._stop.wait(self.poll_s)
+                continue
+            self._poll_results()
 
     def _upload(self, header: wire.UploadHeader, delta) -> None:
         try:
@@ -208,19 +317,7 @@ class FragmentSyncer:
                 have = slot.version
             if not waiting:
                 continue
-            try:
-                got = self.client.download(
-                    frag.index, self.world_size, self.rank, after=have, island=self.island
-                )
-            except Exception as e:
-                log.warning(
-                    "%s/%d download of fragment %d failed: %s",
-                    self.island,
-                    self.rank,
-                    frag.index,
-                    e,
-                )
-                return
+            got = self._download(frag, after=have)
             if got is not None:
                 with self._lock:
                     if slot.sent_step is not None:
@@ -232,5 +329,6 @@ class FragmentSyncer:
         while self._uploads.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))

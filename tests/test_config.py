@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from ds_diloco.round_policy import PolicyOptions
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CONFIGS = sorted((REPO / "model_configs").glob("*.json"))
+DEEPSPEED_CONFIGS = sorted((REPO / "model_configs" / "deepspeed").glob("*.json"))
+MODEL_README = REPO / "model_configs" / "README.md"
+SIZE_IN_NAME = re.compile(r"-(\d+)([mb])$")  # llama-125m.json: meant to have 125M parameters
+SIZED_CONFIGS = [p for p in MODEL_CONFIGS if SIZE_IN_NAME.search(p.stem)]
 LAUNCH_CONFIGS = sorted((REPO / "launch").glob("*.yaml"))
 BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
 
@@ -62,6 +67,22 @@ def write_yaml(path: Path, data) -> Path:
 def test_the_repository_ships_configs():
     assert MODEL_CONFIGS, "model_configs/ holds no *.json"
     assert LAUNCH_CONFIGS, "launch/ holds no *.yaml"
+    assert {p.name for p in DEEPSPEED_CONFIGS} >= {
+        "zero3_cpu.json",
+        "zero3_gpu.json",
+        "zero3_gpu_offload.json",
+    }
+    assert {p.name for p in SIZED_CONFIGS} >= {
+        "llama-125m.json",
+        "llama-1b.json",
+        "llama-7b.json",
+    }
+
+
+def count_params(config) -> int:
+    """Parameters of the model ``config`` builds, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.name)
@@ -69,8 +90,7 @@ def test_model_config_loads_and_builds(path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = AutoConfig.from_pretrained(str(path))
     assert config.model_type == json.loads(path.read_text())["model_type"]
-    with torch.device("meta"):  # count without allocating
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    n_params = count_params(config)
     assert n_params > 0
     if n_params > BUILD_LIMIT:
         return
@@ -81,6 +101,95 @@ def test_model_config_loads_and_builds(path, monkeypatch):
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, config.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("path", SIZED_CONFIGS, ids=lambda p: p.name)
+def test_model_size_matches_its_name_and_the_readme(path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(str(path))
+    assert config.architectures == ["LlamaForCausalLM"] and config.model_type == "llama"
+    n_params = count_params(config)
+    number, unit = SIZE_IN_NAME.search(path.stem).groups()
+    meant = int(number) * {"m": 10**6, "b": 10**9}[unit]
+    assert abs(n_params - meant) <= 0.1 * meant, f"{path.name}: {n_params:,} parameters"
+    rows = [r for r in MODEL_README.read_text().splitlines() if r.startswith(f"| `{path.name}` |")]
+    assert len(rows) == 1, f"model_configs/README.md needs one table row for {path.name}"
+    assert f"| {n_params:,} |" in rows[0], f"README row says {rows[0]!r}, counted {n_params:,}"
+
+
+def test_the_readme_lists_every_config():
+    text = MODEL_README.read_text()
+    for path in MODEL_CONFIGS:
+        assert f"| `{path.name}` |" in text
+    for path in DEEPSPEED_CONFIGS:
+        assert f"| `deepspeed/{path.name}` |" in text
+
+
+def deepspeed_keys() -> set[str]:
+    """Every config key DeepSpeed names: it ignores unknown top-level keys, so a
+    misspelt one would silently fall back to a default."""
+    import deepspeed.runtime.constants
+    import deepspeed.runtime.zero.config
+
+    modules = (deepspeed.runtime.constants, deepspeed.runtime.zero.config)
+    return {v for m in modules for v in vars(m).values() if isinstance(v, str)}
+
+
+@pytest.fixture
+def deepspeed_on_cpu(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    return DeepSpeedConfig
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=lambda p: p.name)
+def test_deepspeed_config_is_accepted_by_deepspeed(path, deepspeed_on_cpu):
+    raw = json.loads(path.read_text())
+    assert raw["zero_optimization"]["stage"] == 3
+    unknown = sorted(set(raw) - deepspeed_keys())
+    assert not unknown, f"{path.name}: keys DeepSpeed does not know: {unknown}"
+    assert "optimizer" not in raw, "the island's inner optimizer is its own torch AdamW"
+    # The island fills the batch sizes from its train section (ds_diloco.island).
+    filled = {**raw, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    # Outside a distributed world DeepSpeedConfig takes world size 1 (rank 0).
+    cfg = deepspeed_on_cpu(filled)
+    assert cfg.zero_enabled and cfg.zero_optimization_stage == 3
+    assert cfg.train_batch_size == 4 * cfg.world_size
+    assert cfg.gradient_clipping == 1.0
+    if cfg.zero_config.offload_optimizer is not None:
+        # Otherwise deepspeed.initialize refuses the island's client torch AdamW.
+        assert cfg.zero_force_ds_cpu_optimizer is False
+    # The sub-configs are strict: a misspelt zero_optimization key is refused.
+    typo = json.loads(json.dumps(filled))
+    typo["zero_optimization"]["stage3_param_persistance_threshold"] = 0
+    with pytest.raises(ValueError, match="stage3_param_persistance_threshold"):
+        deepspeed_on_cpu(typo)
+    with pytest.raises(TypeError):  # the placeholder must be replaced before use
+        deepspeed_on_cpu({**filled, "train_micro_batch_size_per_gpu": "auto"})
+
+
+def test_cpu_deepspeed_config_runs_on_cpu(deepspeed_on_cpu):
+    """What the CPU runs need (shared/reference/deepspeed-on-cpu.md)."""
+    raw = json.loads((REPO / "model_configs" / "deepspeed" / "zero3_cpu.json").read_text())
+    cfg = deepspeed_on_cpu({**raw, "train_micro_batch_size_per_gpu": 1})
+    assert not cfg.bfloat16_config.enabled and not cfg.float16_config.enabled  # fp32
+    assert cfg.zero_config.param_persistence_threshold == 0  # tiny models really partition
+    assert cfg.zero_force_ds_cpu_optimizer is False
+    assert cfg.zero_config.offload_param is None and cfg.zero_config.offload_optimizer is None
+
+
+@pytest.mark.parametrize("name", ["zero3_gpu.json", "zero3_gpu_offload.json"])
+def test_gpu_deepspeed_configs_train_in_bf16(name, deepspeed_on_cpu):
+    raw = json.loads((REPO / "model_configs" / "deepspeed" / name).read_text())
+    cfg = deepspeed_on_cpu({**raw, "train_micro_batch_size_per_gpu": 1})
+    assert cfg.bfloat16_config.enabled and not cfg.float16_config.enabled
+    assert cfg.zero_config.overlap_comm and cfg.zero_config.contiguous_gradients
+    offload = [cfg.zero_config.offload_param, cfg.zero_config.offload_optimizer]
+    if name == "zero3_gpu_offload.json":
+        assert all(o is not None and o.device == "cpu" and o.pin_memory for o in offload)
+    else:
+        assert offload == [None, None]
 
 
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)

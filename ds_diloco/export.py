@@ -1,0 +1,248 @@
+"""The end of the data path: the coordinator's global model as a Hugging Face folder.
+
+The global model lives as P fragments, each one flat fp32 buffer holding whole
+tensors in the plan's order. Export reads them from a running coordinator
+(the wire API, as one rank of a world of size 1) or from its state directory
+(no coordinator needed), cuts them into full-shape tensors and writes a folder
+that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Memory: the model is built with empty (meta) weights and the tensors are
+assigned to it, not copied, so a 7B model needs its tensors once (27 GiB in
+fp32), not twice. Fragments are fetched and cut one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ds_diloco.config import TOKEN_ENV
+from ds_diloco.fragments import Fragment, FragmentPlan
+from ds_diloco.state_store import StateStore
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class GlobalModel:
+    """The global model as read from a coordinator or its state directory."""
+
+    config: dict
+    """The Hugging Face config.json of the model."""
+    tensors: dict[str, torch.Tensor]
+    """Full-shape fp32 tensors by ``named_parameters()`` name (tied weights once)."""
+    versions: list[int]
+    """Version of each fragment at the time it was read. Fragments merge
+    independently, so a live coordinator may be mid-way through a round."""
+    signature: str
+    """The plan's parameter signature (names and shapes, in model order)."""
+
+
+def is_url(source: str | os.PathLike) -> bool:
+    return str(source).startswith(("http://", "https://"))
+
+
+def split_fragment(fragment: Fragment, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Full-shape tensors of one fragment's flat buffer, each with its own storage.
+
+    Views would do for loading, but ``save_pretrained`` clones tensors that share
+    a storage before writing them: copying here, one fragment at a time, keeps
+    the peak at the model plus one fragment instead of twice the model."""
+    if values.dim() != 1 or values.numel() != fragment.numel:
+        raise ValueError(
+            f"fragment {fragment.index} holds {values.numel()} values in shape "
+            f"{list(values.shape)}; its plan needs a flat buffer of {fragment.numel}"
+        )
+    return {
+        p.name: values[o : o + p.numel].view(p.shape).clone()
+        for p, o in zip(fragment.params, fragment.offsets)
+    }
+
+
+def load_global(source: str | os.PathLike, token: str | None = None) -> GlobalModel:
+    """Read the global model from a coordinator URL or a coordinator state directory."""
+    if is_url(source):
+        return _from_coordinator(str(source), token or os.environ.get(TOKEN_ENV))
+    return _from_state_dir(Path(source))
+
+
+def load_global_tensors(
+    source: str | os.PathLike, token: str | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(HF config dict, {name: full-shape fp32 tensor}) from a URL or a state directory.
+
+    ``token`` is the coordinator's bearer token (default: $DS_DILOCO_TOKEN);
+    a state directory needs none.
+    """
+    g = load_global(source, token)
+    return g.config, g.tensors
+
+
+def _from_state_dir(root: Path) -> GlobalModel:
+    if not root.is_dir():
+        raise ValueError(f"{str(root)!r} is neither an http(s):// coordinator URL nor a folder")
+    store = StateStore(root)
+    if not store.exists():
+        raise ValueError(
+            f"{str(root)!r} is not a coordinator state directory: it has no coordinator.json "
+            "(pass the coordinator's state_dir, or its http(s):// URL)"
+        )
+    state = store.read_json("coordinator.json")
+    if "plan" not in state:
+        raise ValueError(f"{root / 'coordinator.json'} holds no fragment plan")
+    plan = FragmentPlan.from_json(state["plan"])
+    config_path = store.model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(
+            f"state directory {str(root)!r} has no model config ({config_path} is missing): "
+            "the coordinator that wrote it predates saving the HF config; copy the model's "
+            "config.json there"
+        )
+    config = store.read_json("model/config.json")
+    tensors: dict[str, torch.Tensor] = {}
+    versions = []
+    for frag in plan.fragments:
+        version, values, _ = store.read_fragment(frag.index)
+        tensors.update(split_fragment(frag, values))
+        versions.append(version)
+    log.info("read %d fragments from %s at versions %s", len(plan), root, versions)
+    return GlobalModel(config, _in_model_order(plan, tensors), versions, plan.signature)
+
+
+def _from_coordinator(url: str, token: str | None) -> GlobalModel:
+    import requests
+
+    from ds_diloco.client import CoordinatorClient, RefusedError
+
+    if not token:
+        raise ValueError(
+            f"exporting from {url} needs the coordinator's token: --token or ${TOKEN_ENV}"
+        )
+    client = CoordinatorClient(url, token)
+    try:
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        try:
+            config = client.model_config()
+        except requests.HTTPError as e:
+            raise ValueError(
+                f"coordinator {url} could not serve its model config ({e}): its state "
+                "directory may lack model/config.json"
+            ) from None
+        tensors: dict[str, torch.Tensor] = {}
+        versions = []
+        for frag in plan.fragments:
+            # World size 1, rank 0: one rank that owns every tensor whole.
+            version, slices = client.download(frag.index, world_size=1, rank=0)
+            missing = sorted(set(frag.names) - set(slices))
+            if missing:
+                raise ValueError(f"coordinator {url}: fragment {frag.index} lacks {missing[:5]}")
+            values = torch.cat([slices[p.name].reshape(-1) for p in frag.params])
+            del slices
+            tensors.update(split_fragment(frag, values))
+            versions.append(version)
+    except RefusedError as e:
+        hint = f": check --token or ${TOKEN_ENV}" if e.status == 401 else ""
+        raise ValueError(f"coordinator {url} refused the export ({e}){hint}") from None
+    except requests.ConnectionError as e:
+        raise ValueError(f"cannot reach the coordinator at {url}: {e}") from None
+    log.info("downloaded %d fragments from %s at versions %s", len(plan), url, versions)
+    return GlobalModel(config, _in_model_order(plan, tensors), versions, plan.signature)
+
+
+def _in_model_order(plan: FragmentPlan, tensors: dict[str, torch.Tensor]) -> dict:
+    return {s.name: tensors[s.name] for s in plan.specs}
+
+
+def _hf_config(config_dict: dict | None):
+    from transformers import CONFIG_MAPPING
+
+    if not config_dict:
+        raise ValueError("no model config: export needs the HF config.json of the global model")
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"model config has model_type {model_type!r}, which this transformers version "
+            "does not know"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(config_dict)
+
+
+def export_model(
+    config_dict: dict,
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    max_shard_size: int | str = "2GB",
+    dtype: torch.dtype | str | None = None,
+) -> str:
+    """Write a Hugging Face model folder (config, generation config, safetensors
+    shards with an index when larger than ``max_shard_size``, tokenizer when given).
+
+    ``tensors`` are named as ``named_parameters()`` names them (tied weights once;
+    the tie is restored here). ``dtype`` (default: the tensors' fp32) is the
+    saved dtype. Returns the folder.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = _hf_config(config_dict)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    tok = None
+    if tokenizer is not None:  # before any writing: a bad tokenizer leaves no half export
+        if not Path(tokenizer).is_dir():
+            raise ValueError(f"tokenizer {str(tokenizer)!r} is not a folder")
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        if len(tok) > config.vocab_size:
+            raise ValueError(
+                f"tokenizer {str(tokenizer)!r} has {len(tok)} tokens, more than the model's "
+                f"vocab_size {config.vocab_size}"
+            )
+
+    # Parameters on the meta device, buffers (rotary frequencies) real: no memory
+    # is spent on weights that are replaced anyway.
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    want = [n for n, _ in model.named_parameters()]  # tied weights listed once
+    missing = [n for n in want if n not in tensors]
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ValueError(
+            f"the tensors do not match the model the config builds: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+            f"{'...' if len(extra) > 5 else ''}"
+        )
+    for name in want:
+        t = tensors[name]
+        shape = model.get_parameter(name).shape
+        if t.shape != shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {list(t.shape)}, the config gives {list(shape)}"
+            )
+    if dtype is not None:
+        tensors = {n: t.to(dtype) for n, t in tensors.items()}
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()  # assign replaced the input embedding; re-point the tied head to it
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"parameters left without values after loading: {left[:5]}")
+    model.eval()
+    if model.can_generate() and model.generation_config is None:
+        model.generation_config = GenerationConfig.from_model_config(config)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    if tok is not None:
+        tok.save_pretrained(str(out))
+    log.info("exported %s parameters to %s", f"{sum(t.numel() for t in tensors.values()):,}", out)
+    return str(out)

@@ -1,0 +1,175 @@
+"""One rank of an island: ``ds-diloco island --config FILE``, run by the deepspeed launcher.
+
+Every rank of the island runs this: build the ZeRO-3 engine (the model is
+partitioned from the start), take its own shard of the island's data, take
+the global fragments from the coordinator, then train with AdamW. After each
+inner step the rank-side :class:`~ds_diloco.syncer.FragmentSyncer` sends the
+due fragment's pseudo-gradient of this rank's slices and applies merged
+fragments that every rank holds; the network work runs in its thread.
+
+Rank 0 writes progress records (``progress.jsonl``) and every rank a summary
+(``summary-rank<r>.json``) into the island's workdir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ds_diloco import zero
+from ds_diloco.client import CoordinatorClient
+from ds_diloco.config import IslandConfig
+from ds_diloco.data import BlockLoader, heldout_split, prepare_corpus, split_blocks
+from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
+from ds_diloco.hf_model import lm_loss
+from ds_diloco.syncer import FragmentSyncer
+
+log = logging.getLogger(__name__)
+
+
+def load_blocks(cfg: IslandConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's training blocks, held-out blocks); rank 0 fills the cache first."""
+    d = cfg.data
+    if rank != 0:
+        zero.barrier()
+    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
+                               text_field=d.text_field)  # fmt: skip
+    if rank == 0:
+        zero.barrier()
+    train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
+    island = split_blocks(train, cfg.num_shards, cfg.shard)
+    return split_blocks(island, torch.distributed.get_world_size(), rank), heldout
+
+
+def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:
+    ds = json.loads(Path(cfg.deepspeed_config).read_text())
+    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch
+    ds["gradient_accumulation_steps"] = 1
+    ds["train_batch_size"] = cfg.train.micro_batch * world_size
+    ds.pop("optimizer", None)  # the inner optimizer is ours: torch AdamW
+    ds.pop("scheduler", None)
+    return ds
+
+
+@torch.no_grad()
+def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) -> float:
+    """Mean held-out loss over the island (every rank a different part; one all-reduce)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = heldout[rank::world][: micro_batch * batches]
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for b in mine.split(micro_batch):
+        total[0] += lm_loss(engine, b[:, :-1], b[:, 1:]).item() * len(b)
+        total[1] += len(b)
+    engine.train()
+    torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _connect(cfg: IslandConfig, engine, rank: int, world: int) -> FragmentSyncer:
+    """Register (rank 0), read the plan, and take the global fragments (every rank)."""
+    client = CoordinatorClient(cfg.coordinator_url, cfg.resolve_token())
+    sig = signature(param_specs(engine.module.named_parameters()))
+    if rank == 0:  # one registration per island; the other ranks read the same plan
+        client.register(cfg.island, world, sig)
+    zero.barrier()
+    info = client.plan()
+    if info["signature"] != sig:
+        raise ValueError(f"island {cfg.island}: the model differs from the coordinator's")
+    plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
+    syncer = FragmentSyncer(
+        client, cfg.island, plan, schedule, zero.ZeroShardAccess(engine),
+        world_size=world, rank=rank, alpha=cfg.train.blend_alpha, agree=zero.island_min_max,
+    )  # fmt: skip
+    syncer.bootstrap()
+    return syncer
+
+
+class _NoSync:
+    """Stands in for the syncer in plain mode: the same loop, no outer optimisation."""
+
+    stats = None
+
+    def on_step(self, step: int, tokens: int) -> list[int]:
+        return []
+
+    def versions(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
+    """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
+    rank, world = zero.init_distributed()
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    train_blocks, heldout = load_blocks(cfg, rank)
+    t = cfg.train
+    warmup = (lambda s: min(1.0, (s + 1) / t.warmup_steps)) if t.warmup_steps else None
+    ds_config = deepspeed_config(cfg, world)
+    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, warmup)
+    syncer = _NoSync() if plain else _connect(cfg, engine, rank, world)
+    start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+
+    loader = iter(
+        BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
+    )
+    progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
+    sync_s, sync_max_s, step_s, tokens = 0.0, 0.0, 0.0, 0
+    t_start = time.perf_counter()
+    for step in range(1, t.steps + 1):
+        t0 = time.perf_counter()
+        input_ids, labels = next(loader)
+        loss = lm_loss(engine, input_ids, labels)
+        engine.backward(loss)
+        engine.step()
+        t1 = time.perf_counter()
+        island_tokens = input_ids.numel() * world  # fixed-size blocks: the same on every rank
+        tokens += island_tokens
+        applied = syncer.on_step(step, island_tokens)
+        t2 = time.perf_counter()
+        step_s += t1 - t0
+        sync_s += t2 - t1
+        sync_max_s = max(sync_max_s, t2 - t1)
+        record = None
+        if step % t.log_every == 0 or step == t.steps:
+            record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
+                      "tokens": tokens, "versions": syncer.versions(), "applied": applied,
+                      "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
+        if t.eval_every and step % t.eval_every == 0:
+            ev = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+            record = {**(record or {"island": cfg.island, "step": step}), "heldout_loss": ev}
+        if record and progress:
+            progress.write(json.dumps(record) + "\n")
+            progress.flush()
+    wall = time.perf_counter() - t_start
+    syncer.close()
+    end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+    summary = {
+        "island": cfg.island,
+        "rank": rank,
+        "world_size": world,
+        "steps": t.steps,
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "train_s": round(step_s, 3),
+        "sync_s": round(sync_s, 4),
+        "sync_max_s": round(sync_max_s, 4),
+        "versions": syncer.versions(),
+        "heldout_loss_start": start_loss,
+        "heldout_loss_end": end_loss,
+        "stats": vars(syncer.stats) if syncer.stats else None,
+        "plain": plain,
+    }
+    (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    if progress:
+        progress.write(json.dumps({"island": cfg.island, "done": True, **summary}) + "\n")
+        progress.close()
+    zero.barrier()
+    return summary

@@ -1,0 +1,145 @@
+"""Everything that touches DeepSpeed and torch.distributed, in one module.
+
+- :func:`init_distributed`: one ZeRO-3 island's process group (gloo on CPU).
+- :func:`build_engine`: an HF causal LM partitioned from the start, with AdamW.
+- :class:`ZeroShardAccess`: a rank reads and writes the flat slice of each
+  parameter it owns, in the fp32 master partition, without any gather.
+- :func:`island_min_max`: the intra-island collective with which the ranks
+  agree on which merged fragments every one of them holds.
+- :func:`gather_full_params`: whole tensors, for checks and small exports.
+
+No collective here ever crosses islands: the process group is the island.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from ds_diloco.config import ModelSource
+from ds_diloco.sharding import shard_numel
+
+log = logging.getLogger(__name__)
+
+
+def on_cpu() -> bool:
+    return os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available()
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size) of this island's process group."""
+    if on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch
+
+    # The CPU accelerator compiles a shared-memory op at every start (30-50 s cold); it
+    # only serves inference all-reduce. The package attribute of that name is torch
+    # itself, so reach the module through sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):  # fmt: skip
+        os.environ.setdefault(k, v)  # a single process without a launcher: world of 1
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def build_engine(
+    source: ModelSource, ds_config: dict, lr: float, weight_decay: float, lr_lambda=None
+):
+    """A DeepSpeed ZeRO-3 engine over an HF causal LM that is never whole on any rank."""
+    import deepspeed
+    import torch._dynamo.polyfills.tensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    stage = ds_config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise ValueError(f"deepspeed_config: zero_optimization.stage must be 3, got {stage}")
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (must stay alive while the model is built)
+    if source.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(source.pretrained, dtype=torch.float32)
+    else:
+        torch.manual_seed(source.seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source.config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    return engine
+
+
+class ZeroShardAccess:
+    """This rank's slices of the model, read from and written to ZeRO-3's partitions.
+
+    Reads come from the fp32 master partition (what the inner optimizer updates).
+    A write must reach three places for the next forward pass to use it: the fp32
+    master, the compute partition ``ds_tensor`` (a separate tensor, possibly of
+    another dtype), and any cached gathered copies, dropped by :meth:`flush`.
+    """
+
+    def __init__(self, engine):
+        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+        self._get, self._set = safe_get_local_fp32_param, safe_set_local_fp32_param
+        self.engine = engine
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        self.params = dict(engine.module.named_parameters())
+        self._dirty = False
+
+    def numel(self, name: str) -> int:
+        return shard_numel(self.params[name].ds_numel, self.world_size, self.rank)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A live view of the owned, unpadded fp32 master slice (copy before keeping it)."""
+        return self._get(self.params[name])[: self.numel(name)]
+
+    @torch.no_grad()
+    def write(self, name: str, values: torch.Tensor) -> None:
+        p = self.params[name]
+        n = self.numel(name)
+        if values.numel() != n:
+            raise ValueError(f"{name}: {values.numel()} values for a slice of {n}")
+        master = self._get(p)
+        master[:n].copy_(values)  # a live view: the padding tail keeps its contents
+        self._set(p, master)
+        p.ds_tensor.view(-1)[:n].copy_(values.to(p.ds_tensor.dtype))
+        self._dirty = True
+
+    def flush(self) -> None:
+        """Drop cached gathered parameters so that the next forward uses the new values."""
+        if self._dirty:
+            # The ZeRO-3 optimizer's own method: releases and re-partitions every gathered
+            # parameter. engine.empty_partition_cache() does the same plus gc.collect(),
+            # which costs ~0.2 s a call and would land on every step that applies.
+            self.engine.optimizer.empty_partition_cache()
+            self._dirty = False
+
+
+def island_min_max(values: list[int]) -> tuple[list[int], list[int]]:
+    """Element-wise min and max of ``values`` over the island's ranks (one small collective)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    both = torch.cat([-t, t])  # max of -x is -min: one all-reduce gives both
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    n = len(values)
+    return (-both[:n]).tolist(), both[n:].tolist()
+
+
+def barrier() -> None:
+    torch.distributed.barrier()
+
+
+def gather_full_params(engine) -> dict[str, torch.Tensor]:
+    """Whole fp32 copies of every parameter on every rank (a collective: all ranks call it)."""
+    import deepspeed
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            out[name] = p.detach().float().clone()
+    return out
