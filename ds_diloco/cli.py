@@ -24,6 +24,13 @@ def _island(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    from ds_diloco.config import load_run_config
+    from ds_diloco.run import run
+
+    return run(load_run_config(args.file))
+
+
 def _demo(args) -> int:
     from ds_diloco.demo import run_demo
 
@@ -72,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", required=True, help="YAML/JSON island config")
     i.add_argument("--plain", action="store_true", help="plain ZeRO-3: no coordinator (baseline)")
     i.set_defaults(fn=_island)
+
+    r = sub.add_parser("run", help="a whole run on this machine: coordinator + islands")
+    r.add_argument("file", help="YAML/JSON run file (see launch/demo.yaml)")
+    r.set_defaults(fn=_run)
 
     d = sub.add_parser("demo", help="a short local run on real text (CPU)")
     d.add_argument("--islands", type=int, default=3, help="number of islands")

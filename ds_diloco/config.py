@@ -255,9 +255,43 @@ class IslandSpec:
     master_port: int | None = None
     """torch.distributed port of this island (default: picked free)."""
 
+    include: str | None = None
+    """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'."""
+
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"islands[{self.name}].world_size must be >= 1, got {self.world_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole local run: the coordinator, the islands, their model, data and training."""
+
+    model: ModelSource
+    """The model every island trains (and the coordinator's initial global model)."""
+    deepspeed_config: str
+    """The islands' DeepSpeed ZeRO-3 config."""
+    data: DataConfig
+    """The text; islands train on disjoint shards of it."""
+    islands: tuple[IslandSpec, ...]
+    """The islands and their world sizes."""
+    coordinator: CoordinatorConfig
+    """Outer settings (its model and state_dir default to the run's)."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Inner-loop settings, the same on every island."""
+    workdir: str = "runs/run"
+    """Coordinator state, island logs and progress, the export and the summary."""
+    export: bool = True
+    """Export the merged model as a Hugging Face folder at the end (workdir/export)."""
+    prompt: str = "ROMEO:"
+    """Prompt of the sample generated from the exported model."""
+
+    def __post_init__(self):
+        if not self.islands:
+            raise ValueError("islands: a run needs at least one island")
+        names = [i.name for i in self.islands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"islands: names must be unique, got {names}")
 
 
 def from_dict(cls, data: Any, where: str = ""):
@@ -368,3 +402,20 @@ ISLAND_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.pa
 def load_island_config(path: str | os.PathLike) -> IslandConfig:
     base = Path(path).resolve().parent
     return from_dict(IslandConfig, _resolve_paths(load_file(path), base, ISLAND_PATHS))
+
+
+RUN_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
+             "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    """A run file; the coordinator section takes the run's model and workdir/state by default."""
+    base = Path(path).resolve().parent
+    data = _resolve_paths(load_file(path), base, RUN_PATHS)
+    coord = data.get("coordinator", {})
+    if not isinstance(coord, dict):
+        raise ValueError("coordinator: expected a mapping")
+    coord = _resolve_paths(coord, base, ("state_dir",))
+    coord.setdefault("model", data.get("model"))
+    coord.setdefault("state_dir", str(Path(data.get("workdir", "runs/run")) / "state"))
+    return from_dict(RunConfig, {**data, "coordinator": coord})

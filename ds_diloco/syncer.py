@@ -82,6 +82,9 @@ class SyncStats:
     bad_responses: int = 0
     applied: int = 0
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
+    network_calls_in_loop: int = (
+        0  # requests made by the training thread after bootstrap: must stay 0
+    )
 
 
 class FragmentSyncer:
@@ -112,6 +115,7 @@ class FragmentSyncer:
         self._lock = threading.Lock()
         self._uploads: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._train_thread: int | None = None  # set once training starts
         self._threads = [
             threading.Thread(target=fn, name=f"{fn.__name__}-{island}-{rank}", daemon=True)
             for fn in (self._uploader, self._downloader)
@@ -137,6 +141,7 @@ class FragmentSyncer:
                     retry.append(f)
             self._flush()
             if not retry:
+                self._train_thread = threading.get_ident()
                 for t in self._threads:
                     t.start()
                 return self.versions()
@@ -224,6 +229,7 @@ class FragmentSyncer:
 
     def _download(self, frag: Fragment, after: int | None):
         """(version, slices) checked whole against the plan, or None; never raises."""
+        self._count_network_call()
         try:
             got = self.client.download(
                 frag.index, self.world_size, self.rank, after=after, island=self.island
@@ -289,7 +295,12 @@ class FragmentSyncer:
                 continue
             self._poll_results()
 
+    def _count_network_call(self) -> None:
+        if threading.get_ident() == self._train_thread:
+            self.stats.network_calls_in_loop += 1
+
     def _upload(self, header: wire.UploadHeader, delta) -> None:
+        self._count_network_call()
         try:
             reply = self.client.upload(header, delta)
             self.stats.uploads += 1
