@@ -31,12 +31,6 @@ def _run(args) -> int:
     return run(load_run_config(args.file))
 
 
-def _demo(args) -> int:
-    from ds_diloco.demo import run_demo
-
-    return run_demo(args)
-
-
 def _bench(args) -> int:
     if args.what == "coordinator":
         from ds_diloco.bench.coordinator import main as bench_main
@@ -83,15 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="a whole run on this machine: coordinator + islands")
     r.add_argument("file", help="YAML/JSON run file (see launch/demo.yaml)")
     r.set_defaults(fn=_run)
-
-    d = sub.add_parser("demo", help="a short local run on real text (CPU)")
-    d.add_argument("--islands", type=int, default=3, help="number of islands")
-    d.add_argument("--steps", type=int, default=120, help="inner steps per island")
-    d.add_argument("--workdir", default="runs/demo", help="state, corpus cache, summary")
-    d.add_argument(
-        "--corpus", default=None, help="text file or folder (default: fetched Shakespeare)"
-    )
-    d.set_defaults(fn=_demo)
 
     e = sub.add_parser("export", help="write the global model as a Hugging Face folder")
     e.add_argument(

@@ -72,7 +72,8 @@ class LocalRun:
     # ------------------------------------------------------------ processes
     def start_coordinator(self) -> CoordinatorClient:
         c = self.cfg.coordinator
-        port = c.port or free_port()
+        # A restarted coordinator must come back where the islands look for it.
+        port = self._port = getattr(self, "_port", None) or c.port or free_port()
         coord = {**_asdict(c), "port": port, "token": None}
         coord.pop("token")
         path = self.workdir / "coordinator.json"

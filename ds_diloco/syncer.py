@@ -81,6 +81,7 @@ class SyncStats:
     failed: int = 0
     bad_responses: int = 0
     applied: int = 0
+    superseded: int = 0  # unsent uploads replaced by a newer one of the same fragment
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap: must stay 0
@@ -113,7 +114,11 @@ class FragmentSyncer:
         self.slots = [_Slot() for _ in plan.fragments]
         self.stats = SyncStats()
         self._lock = threading.Lock()
+        # Fragments waiting to be sent, oldest first, and the newest payload of each: a newer
+        # pseudo-gradient of a fragment subsumes an older unsent one (same base, more steps),
+        # so an outage leaves at most one pending upload per fragment, not one per step.
         self._uploads: queue.Queue = queue.Queue()
+        self._pending: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
@@ -208,7 +213,11 @@ class FragmentSyncer:
         )
         with self._lock:
             slot.sent_step, slot.ready = step, None  # a newer send supersedes an older wait
-        self._uploads.put((header, delta))
+            if frag.index in self._pending:
+                self.stats.superseded += 1
+            else:
+                self._uploads.put(frag.index)
+            self._pending[frag.index] = (header, delta)
 
     def _apply(self, frag: Fragment, version: int, slices: dict[str, torch.Tensor], blend: bool):
         """Write a downloaded global fragment (owned fp32 slices) and make it the new base."""
@@ -273,9 +282,11 @@ class FragmentSyncer:
     def _uploader(self) -> None:
         while not self._stop.is_set():
             try:
-                header, delta = self._uploads.get(timeout=self.poll_s)
+                index = self._uploads.get(timeout=self.poll_s)
             except queue.Empty:
                 continue
+            with self._lock:
+                header, delta = self._pending.pop(index)
             self._upload(header, delta)
             self._uploads.task_done()
 

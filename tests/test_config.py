@@ -24,6 +24,7 @@ from ds_diloco.config import (
     ModelSource,
     from_dict,
     load_coordinator_config,
+    load_run_config,
 )
 from ds_diloco.hf_model import build_model
 from ds_diloco.merge import StalenessPolicy
@@ -36,7 +37,10 @@ DEEPSPEED_CONFIGS = sorted((REPO / "model_configs" / "deepspeed").glob("*.json")
 MODEL_README = REPO / "model_configs" / "README.md"
 SIZE_IN_NAME = re.compile(r"-(\d+)([mb])$")  # llama-125m.json: meant to have 125M parameters
 SIZED_CONFIGS = [p for p in MODEL_CONFIGS if SIZE_IN_NAME.search(p.stem)]
-LAUNCH_CONFIGS = sorted((REPO / "launch").glob("*.yaml"))
+ALL_LAUNCH_YAML = sorted((REPO / "launch").rglob("*.yaml"))
+# Run files (ds-diloco run) have islands; the others are coordinator configs.
+RUN_FILES = [p for p in ALL_LAUNCH_YAML if "islands" in yaml.safe_load(p.read_text())]
+LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES]
 BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
 
 MINIMAL = {"model": {"config": "/models/m.json"}, "state_dir": "/state"}
@@ -206,6 +210,37 @@ def test_launch_config_loads_with_paths_relative_to_the_file(path, monkeypatch, 
             assert Path(value).exists(), f"{path.name}: model.{key} {value} does not exist"
     assert Path(cfg.state_dir).is_absolute()
     assert Path(cfg.state_dir).resolve() == (path.parent / raw["state_dir"]).resolve()
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.name)
+def test_run_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(path)
+    assert Path(cfg.model.config or cfg.model.pretrained).exists()
+    assert Path(cfg.deepspeed_config).is_file()
+    assert json.loads(Path(cfg.deepspeed_config).read_text())["zero_optimization"]["stage"] == 3
+    assert Path(cfg.workdir).is_absolute()
+    # The coordinator takes the run's model and keeps its state under the workdir.
+    assert cfg.coordinator.model == cfg.model
+    assert Path(cfg.coordinator.state_dir) == Path(cfg.workdir) / "state"
+    assert cfg.islands and all(i.world_size >= 1 for i in cfg.islands)
+
+
+def test_run_file_errors_name_the_problem(tmp_path):
+    path = tmp_path / "run.yaml"
+    base = {"model": {"config": "x.json"}, "deepspeed_config": "ds.json", "data": {"path": "t"},
+            "islands": [{"name": "a"}]}  # fmt: skip
+    for bad, message in (
+        ({"islands": []}, "at least one island"),
+        ({"islands": [{"name": "a"}, {"name": "a"}]}, "unique"),
+        ({"islands": [{"name": "a", "world_size": 0}]}, "world_size"),
+        ({"coordinator": {"num_fragment": 3}}, "coordinator.num_fragment"),
+        ({"train": {"steps": 0}}, "train.steps"),
+        ({"data": {"path": "t", "seq_len": 1}}, "data.seq_len"),
+    ):
+        path.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=message):
+            load_run_config(path)
 
 
 def test_example_coordinator_config_values():

@@ -71,6 +71,7 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
         for s in ranks:
             s.close()
         assert all(s.stats.uploads == 2 and s.stats.failed == 0 for s in ranks)
+        assert all(s.stats.network_calls_in_loop == 0 for s in ranks)
 
 
 def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path, tmp_path):

@@ -1,0 +1,198 @@
+"""One rank of a two-rank ZeRO-3 island on CPU (gloo), started by ``tests/test_zero.py``.
+
+    python tests/dist_worker.py SPEC.json OUT_DIR   (RANK, WORLD_SIZE, MASTER_* in the env)
+
+Runs the scenarios named in the spec, in order, each on an engine of its own,
+and writes what this rank saw to ``OUT_DIR/<scenario>-rank<r>.pt``. A scenario
+that raises leaves its traceback in ``<scenario>-rank<r>.error`` and ends the
+rank. The test process does the asserting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+from ds_diloco import zero
+from ds_diloco.config import DataConfig, IslandConfig, ModelSource, TrainConfig
+from ds_diloco.hf_model import build_model, lm_loss
+from ds_diloco.island import deepspeed_config
+from ds_diloco.sharding import shard_slice
+
+MICRO_BATCH, SEQ = 2, 16
+
+
+def engine_for(spec: dict, seed: int):
+    """A ZeRO-3 engine built as an island builds it (the project's DeepSpeed config file)."""
+    cfg = IslandConfig(
+        island="test", coordinator_url="http://127.0.0.1:1",
+        model=ModelSource(config=spec["model_config"], seed=seed),
+        deepspeed_config=spec["deepspeed_config"], data=DataConfig(path="unused"),
+        train=TrainConfig(micro_batch=MICRO_BATCH, lr=spec["lr"], weight_decay=spec["weight_decay"]),
+    )  # fmt: skip
+    ds = deepspeed_config(cfg, torch.distributed.get_world_size())
+    return zero.build_engine(cfg.model, ds, cfg.train.lr, cfg.train.weight_decay)
+
+
+def batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = torch.randint(
+        0, vocab, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed)
+    )
+    return b[:, :-1], b[:, 1:]
+
+
+def train_step(engine, ids, labels) -> float:
+    loss = lm_loss(engine, ids, labels)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def logits(engine, ids) -> torch.Tensor:
+    return engine(input_ids=ids).logits.float().clone()
+
+
+def reads(access) -> dict[str, torch.Tensor]:
+    return {n: access.read(n).clone() for n in access.params}
+
+
+# ------------------------------------------------------------------ scenarios
+def scenario_minmax(spec, rank, world):
+    mins, maxs = zero.island_min_max(spec["minmax"][rank])
+    return {"mins": mins, "maxs": maxs}
+
+
+def scenario_shards(spec, rank, world):
+    """Own slices read without gathering, against whole gathered tensors."""
+    engine = engine_for(spec, seed=0)
+    access = zero.ZeroShardAccess(engine)
+    for s in range(2):  # master values move away from the initialisation
+        train_step(engine, *batch(100 * rank + s, spec["vocab"]))
+    read0, full0 = reads(access), zero.gather_full_params(engine)
+    for s in range(2, 5):
+        train_step(engine, *batch(100 * rank + s, spec["vocab"]))
+    read1, full1 = reads(access), zero.gather_full_params(engine)
+    # The syncer's pseudo-gradient: base (the rank's slice of whole tensors) - local.
+    pseudo = {n: shard_slice(full0[n].flatten(), world, rank) - access.read(n) for n in full0}
+    return {"read0": read0, "full0": full0, "read1": read1, "full1": full1, "pseudo": pseudo}
+
+
+def scenario_write(spec, rank, world):
+    """New global values written slice by slice reach the forward pass and the optimizer."""
+    from deepspeed.utils import safe_get_full_optimizer_state, safe_set_local_fp32_param
+
+    engine = engine_for(spec, seed=0)
+    access = zero.ZeroShardAccess(engine)
+    for s in range(2):  # AdamW state exists and is kept through the write
+        train_step(engine, *batch(100 * rank + s, spec["vocab"]))
+    adam = {
+        n: {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}
+        for n, p in access.params.items()
+    }
+    adam_step = [float(st["step"]) for st in engine.optimizer.optimizer.state.values()]
+    ids, labels = batch(spec["write_batch_seed"], spec["vocab"])  # the same batch on every rank
+    target = build_model(ModelSource(config=spec["model_config"], seed=spec["write_seed"]))
+    new = {n: shard_slice(p.detach().flatten(), world, rank) for n, p in target.named_parameters()}
+    out = {"adam": adam, "adam_step": adam_step, "ids": ids, "labels": labels}
+
+    out["before"] = logits(engine, ids)  # a no-grad forward leaves the gathered params cached
+    # The fp32 master alone, as safe_set_local_fp32_param sets it (padding included). Zeros,
+    # not the new values, so that the write below must overwrite the master too.
+    for p in access.params.values():
+        safe_set_local_fp32_param(p, torch.zeros(p.ds_tensor.numel()))
+    engine.optimizer.empty_partition_cache()
+    out["master_only"] = logits(engine, ids)
+    for n, v in new.items():
+        access.write(n, v)
+    out["no_flush"] = logits(engine, ids)
+    access.flush()
+    out["written"] = logits(engine, ids)
+    out["read_back"] = reads(access)
+    out["loss"] = train_step(engine, ids, labels)
+    out["after_step"] = zero.gather_full_params(engine)
+    return out
+
+
+def scenario_syncer(spec, rank, world):
+    """Bootstrap and one due send, merge and apply, with the island's agreement collective."""
+    from ds_diloco.client import CoordinatorClient
+    from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
+    from ds_diloco.syncer import FragmentSyncer
+
+    engine = engine_for(spec, seed=7)  # not the coordinator's init: bootstrap must replace it
+    ids, _ = batch(spec["write_batch_seed"], spec["vocab"])
+    out = {"ids": ids, "init": logits(engine, ids)}
+    client = CoordinatorClient(spec["url"], spec["token"], retries=2, backoff_s=0.1)
+    sig = signature(param_specs(engine.module.named_parameters()))
+    if rank == 0:
+        client.register("isl", world, sig)
+    zero.barrier()
+    info = client.plan()
+    plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
+    syncer = FragmentSyncer(
+        client, "isl", plan, schedule, zero.ZeroShardAccess(engine),
+        world_size=world, rank=rank, agree=zero.island_min_max, poll_s=0.02, long_poll_s=1.0,
+    )  # fmt: skip
+    out["boot_versions"] = syncer.bootstrap()
+    out["boot_logits"] = logits(engine, ids)
+    out["boot_full"] = zero.gather_full_params(engine)
+    applied, versions = [], []
+    for step in range(1, spec["steps"] + 1):
+        train_step(engine, *batch(1000 * rank + step, spec["vocab"]))
+        if step == 1:  # what fragment 0's pseudo-gradient is taken against
+            out["local1"] = zero.gather_full_params(engine)
+        waiting = [s for s in syncer.slots if s.sent_step is not None]
+        deadline = time.monotonic() + 30
+        while any(s.ready is None for s in waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)  # results this rank waits for are due now: let them arrive
+        applied.append(syncer.on_step(step, tokens=ids.numel() * world))
+        versions.append(syncer.versions())
+    out["applied"], out["versions"] = applied, versions
+    out["full"] = zero.gather_full_params(engine)
+    syncer.close()
+    out["stats"] = vars(syncer.stats)
+    return out
+
+
+SCENARIOS = {
+    "minmax": scenario_minmax,
+    "shards": scenario_shards,
+    "write": scenario_write,
+    "syncer": scenario_syncer,
+}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    rank, world = zero.init_distributed()
+    for name in spec["scenarios"]:
+        t0 = time.perf_counter()
+        try:
+            result = SCENARIOS[name](spec, rank, world)
+        except Exception:
+            # Recorded for the test, then out at once: the other rank may be waiting in a
+            # collective that this one will never join, and the test stops it when this exits.
+            (out_dir / f"{name}-rank{rank}.error").write_text(traceback.format_exc())
+            sys.stderr.flush()
+            os._exit(1)
+        result["seconds"] = time.perf_counter() - t0
+        torch.save(result, out_dir / f"{name}-rank{rank}.pt")
+    zero.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo was seen to abort there now and then, after all work.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""ZeRO-3 shard access on a real two-rank DeepSpeed island (CPU, gloo).
+
+One launch of two worker processes (``tests/dist_worker.py``) runs every
+scenario, each on an engine of its own, and saves what each rank saw; the
+tests below compare that with whole tensors and with plain Hugging Face models
+computed here. The model has odd-sized tensors (hidden 63, MLP 171), so the
+last rank's ZeRO-3 partition of those carries a padding element.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.hf_model import build_model, lm_loss
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+from ds_diloco.sharding import shard_slice
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+DS_CONFIG = ROOT / "model_configs" / "deepspeed" / "zero3_cpu.json"
+WORLD = 2
+TIMEOUT_S = 180  # the launch takes 10-25 s on two (busy) cores; this only bounds a hang
+
+ODD_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 63,
+    "intermediate_size": 171,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+LR, WEIGHT_DECAY = 1e-2, 0.01
+MINMAX = [[3, -1, 7, 0, 2**40, -5], [5, -2, 7, 10, -(2**40), -5]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Island:
+    out: Path
+    spec: dict
+    server: ServerThread
+    global0: dict[str, torch.Tensor]  # the coordinator's model before the island started
+    problem: str | None  # why the launch failed, with the workers' logs
+
+    def result(self, scenario: str, rank: int) -> dict:
+        path = self.out / f"{scenario}-rank{rank}.pt"
+        if not path.exists():
+            errors = "\n".join(f"{e.name}:\n{e.read_text()}" for e in self.out.glob("*.error"))
+            pytest.fail(
+                f"no {scenario} result from rank {rank}\n{errors}\n{self.problem or logs(self.out)}"
+            )
+        return torch.load(path)
+
+    def both(self, scenario: str) -> list[dict]:
+        return [self.result(scenario, r) for r in range(WORLD)]
+
+
+def logs(out: Path, tail: int = 6000) -> str:
+    parts = []
+    for r in range(WORLD):
+        for kind in ("stderr", "stdout"):
+            p = out / f"rank{r}.{kind}"
+            text = p.read_text(errors="replace") if p.exists() else ""
+            parts.append(f"--- rank {r} {kind} (tail) ---\n{text[-tail:]}")
+    return "\n".join(parts)
+
+
+def launch(spec: dict, out: Path) -> str | None:
+    """Run both ranks to the end; None, or what went wrong with the workers' logs."""
+    (out / "spec.json").write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        }  # fmt: skip
+        with open(out / f"rank{rank}.stdout", "w") as o, open(out / f"rank{rank}.stderr", "w") as e:
+            cmd = [sys.executable, str(WORKER), str(out / "spec.json"), str(out)]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=e))
+    deadline = time.monotonic() + TIMEOUT_S
+    problem = None
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            problem = f"ranks {failed} failed" if failed else f"timed out after {TIMEOUT_S} s"
+            break
+        time.sleep(0.1)
+    for p in procs:  # only the workers started above
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+    codes = [p.returncode for p in procs]
+    if problem or any(codes):
+        return f"{problem or 'a rank failed'}; exit codes {codes}\n{logs(out)}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def island(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero3")
+    model_config = out / "odd-llama.json"
+    model_config.write_text(json.dumps(ODD_LLAMA))
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=str(model_config), seed=0), state_dir=str(out / "state"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        spec = {
+            "scenarios": ["minmax", "shards", "write", "syncer"],
+            "model_config": str(model_config),
+            "deepspeed_config": str(DS_CONFIG),
+            "vocab": ODD_LLAMA["vocab_size"],
+            "lr": LR,
+            "weight_decay": WEIGHT_DECAY,
+            "minmax": MINMAX,
+            "write_seed": 123,
+            "write_batch_seed": 5,
+            "url": srv.url,
+            "token": "t",
+            "steps": 2,
+        }
+        global0 = srv.coord.global_tensors()
+        problem = launch(spec, out)
+        yield Island(out, spec, srv, global0, problem)
+
+
+def plain_model(spec: dict, seed: int = 0, values: dict[str, torch.Tensor] | None = None):
+    model = build_model(ModelSource(config=spec["model_config"], seed=seed))
+    if values is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(values[n])
+    return model
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_island_min_max_is_elementwise_on_every_rank(island):
+    want_min = [min(col) for col in zip(*MINMAX)]
+    want_max = [max(col) for col in zip(*MINMAX)]
+    for r, res in enumerate(island.both("minmax")):
+        assert res["mins"] == want_min, f"rank {r}"
+        assert res["maxs"] == want_max, f"rank {r}"
+
+
+def test_read_is_the_ranks_zero3_slice_and_gives_the_shard_pseudo_gradient(island):
+    res = island.both("shards")
+    for key in ("full0", "full1"):  # the gather itself agrees across ranks
+        assert all(torch.equal(res[0][key][n], res[1][key][n]) for n in res[0][key])
+    full0, full1 = res[0]["full0"], res[0]["full1"]
+    odd = [n for n, t in full0.items() if t.numel() % WORLD]
+    assert odd, "the model should have tensors whose last partition is padded"
+    for n in full0:
+        assert not torch.equal(full0[n], full1[n]), f"{n} did not train: the checks are void"
+        for read, full in (("read0", full0), ("read1", full1)):
+            flat = full[n].flatten()
+            for r in range(WORLD):
+                got, want = res[r][read][n], shard_slice(flat, WORLD, r)
+                assert torch.equal(got, want), f"{read} {n} rank {r}: {got.shape} vs {want.shape}"
+            # Independent of our own arithmetic: the ranks' reads put together are the tensor.
+            assert torch.equal(torch.cat([res[r][read][n] for r in range(WORLD)]), flat), n
+        whole = (full0[n] - full1[n]).flatten()
+        for r in range(WORLD):
+            assert torch.equal(res[r]["pseudo"][n], shard_slice(whole, WORLD, r)), f"{n} rank {r}"
+
+
+def test_written_values_reach_the_forward_pass_and_the_optimizer(island):
+    res = island.both("write")
+    spec = island.spec
+    ids, labels = res[0]["ids"], res[0]["labels"]
+    target = plain_model(spec, seed=spec["write_seed"])
+    with torch.no_grad():
+        ref = target(input_ids=ids).logits
+    params = dict(target.named_parameters())
+    for r, out in enumerate(res):
+        assert torch.equal(out["ids"], ids), "both ranks must use the same batch"
+        for n, p in params.items():
+            assert torch.equal(out["read_back"][n], shard_slice(p.detach().flatten(), WORLD, r)), n
+        # Observed: exactly 0; the tolerance only absorbs thread-count rounding.
+        assert max_diff(out["written"], ref) <= 1e-5, f"rank {r}"
+        # Why write does three things: the old values differ, and the fp32 master alone (set
+        # to zeros, then a flush), or both partitions without a flush, change nothing.
+        assert max_diff(out["before"], ref) > 0.1
+        assert max_diff(out["master_only"], out["before"]) <= 1e-6, f"rank {r}"
+        assert max_diff(out["no_flush"], out["before"]) <= 1e-6, f"rank {r}"
+
+    # The next training step computes its loss on the written values ...
+    loss = lm_loss(target, ids, labels)
+    for r, out in enumerate(res):
+        assert abs(out["loss"] - loss.item()) <= 1e-6, f"rank {r}: {out['loss']} vs {loss.item()}"
+
+    # ... and AdamW continues from them with its kept state: one plain AdamW step from the
+    # engine's state, with the config's gradient clipping, lands on the engine's values.
+    steps = set(res[0]["adam_step"])
+    assert len(steps) == 1 and steps.pop() == 2.0, res[0]["adam_step"]
+    opt = torch.optim.AdamW(target.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for n, p in params.items():
+        opt.state[p] = {"step": torch.tensor(2.0), **res[0]["adam"][n]}
+    loss.backward()
+    clip = json.loads(DS_CONFIG.read_text())["gradient_clipping"]
+    torch.nn.utils.clip_grad_norm_(target.parameters(), clip)
+    opt.step()
+    for r, out in enumerate(res):
+        for n, p in params.items():
+            d = max_diff(out["after_step"][n], p.detach())
+            assert d <= 1e-6, f"{n} rank {r}: {d}"
+
+
+def test_syncer_bootstrap_and_apply_on_a_zero3_island(island):
+    res = island.both("syncer")
+    spec, coord = island.spec, island.server.coord
+    ids = res[0]["ids"]
+    with torch.no_grad():
+        ref = plain_model(spec, values=island.global0)(input_ids=ids).logits
+    for r, out in enumerate(res):
+        assert max_diff(out["init"], ref) > 0.1, "the island must start from other values"
+        assert out["boot_versions"] == [0, 0], f"rank {r}"
+        assert max_diff(out["boot_logits"], ref) <= 1e-5, f"rank {r}"
+        for n, t in island.global0.items():
+            assert torch.equal(out["boot_full"][n], t), f"bootstrap {n} rank {r}"
+
+    # Step 1 sends fragment 0; its merge is applied at step 1 + tau = 2 on both ranks.
+    assert res[0]["applied"] == res[1]["applied"] == [[], [0]]
+    assert res[0]["versions"] == res[1]["versions"] == [[0, 0], [1, 0]]
+    assert coord.versions()[0] == 1
+    now = coord.global_tensors()
+    # The island's pseudo-gradient (each rank's slices of base - local) reached the merge: a
+    # first Nesterov step with one contribution is global - lr * (1 + momentum) * delta.
+    outer = island.server.cfg.outer
+    for n in coord.plan.fragments[0].names:
+        g0 = island.global0[n]
+        want = g0 - outer.lr * (1 + outer.momentum) * (g0 - res[0]["local1"][n])
+        assert max_diff(now[n], want) <= 1e-6, n
+        assert not torch.equal(now[n], g0), f"{n}: the merge changed nothing"
+        for r, out in enumerate(res):
+            assert torch.equal(out["full"][n], now[n]), f"{n} rank {r}"
+    for out in res:
+        assert out["stats"]["uploads"] == 2 and out["stats"]["failed"] == 0, out["stats"]
