@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ds_diloco.config import IslandConfig
 from ds_diloco.data import BlockLoader, heldout_split, prepare_corpus, split_blocks
 from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
 from ds_diloco.hf_model import lm_loss
+from ds_diloco.sharding import shard_numel
 from ds_diloco.syncer import FragmentSyncer
 
 log = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     )
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
     sync_s, sync_max_s, step_s, tokens = 0.0, 0.0, 0.0, 0
+    step_times = []  # whole steps, sync included: what the benchmark compares
     t_start = time.perf_counter()
     for step in range(1, t.steps + 1):
         t0 = time.perf_counter()
@@ -137,6 +141,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         step_s += t1 - t0
         sync_s += t2 - t1
         sync_max_s = max(sync_max_s, t2 - t1)
+        step_times.append(t2 - t0)
         record = None
         if step % t.log_every == 0 or step == t.steps:
             record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
@@ -162,6 +167,13 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "sync_s": round(sync_s, 4),
         "sync_max_s": round(sync_max_s, 4),
         "versions": syncer.versions(),
+        "step_s_median": statistics.median(step_times),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "shard_fp32_mb": round(
+            sum(4 * shard_numel(p.ds_numel, world, rank) for p in engine.module.parameters())
+            / 2**20,
+            3,
+        ),
         "heldout_loss_start": start_loss,
         "heldout_loss_end": end_loss,
         "stats": vars(syncer.stats) if syncer.stats else None,

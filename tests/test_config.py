@@ -24,6 +24,7 @@ from ds_diloco.config import (
     ModelSource,
     from_dict,
     load_coordinator_config,
+    load_island_config,
     load_run_config,
 )
 from ds_diloco.hf_model import build_model
@@ -40,7 +41,9 @@ SIZED_CONFIGS = [p for p in MODEL_CONFIGS if SIZE_IN_NAME.search(p.stem)]
 ALL_LAUNCH_YAML = sorted((REPO / "launch").rglob("*.yaml"))
 # Run files (ds-diloco run) have islands; the others are coordinator configs.
 RUN_FILES = [p for p in ALL_LAUNCH_YAML if "islands" in yaml.safe_load(p.read_text())]
-LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES]
+# Island configs (ds-diloco island) name their island.
+ISLAND_FILES = [p for p in ALL_LAUNCH_YAML if "island" in yaml.safe_load(p.read_text())]
+LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES + ISLAND_FILES]
 BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
 
 MINIMAL = {"model": {"config": "/models/m.json"}, "state_dir": "/state"}
@@ -224,6 +227,23 @@ def test_run_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_p
     assert cfg.coordinator.model == cfg.model
     assert Path(cfg.coordinator.state_dir) == Path(cfg.workdir) / "state"
     assert cfg.islands and all(i.world_size >= 1 for i in cfg.islands)
+
+
+@pytest.mark.parametrize("path", ISLAND_FILES, ids=lambda p: p.name)
+def test_island_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_island_config(path)
+    assert Path(cfg.model.config or cfg.model.pretrained).exists()
+    assert Path(cfg.deepspeed_config).is_file()
+    assert cfg.coordinator_url.startswith("http")
+    assert 0 <= cfg.shard < cfg.num_shards
+
+
+def test_multinode_islands_take_disjoint_shards():
+    cfgs = [load_island_config(p) for p in ISLAND_FILES if "multinode" in str(p)]
+    assert len(cfgs) == 2
+    assert {c.shard for c in cfgs} == {0, 1} and {c.island for c in cfgs} == {"a", "b"}
+    assert all(c.num_shards == 2 for c in cfgs)
 
 
 def test_run_file_errors_name_the_problem(tmp_path):
