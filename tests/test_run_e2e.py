@@ -142,3 +142,32 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
                 assert s["versions"] != [0] * 4 and s["steps"] == 500
     finally:
         lr.stop()
+
+
+def test_ctrl_c_stops_every_process_and_saves_the_coordinator(tmp_path, tiny_config_path):
+    run_file = write_run_file(
+        tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}], steps=5000
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    workdir = tmp_path / "run"
+    progress = workdir / "islands" / "a" / "progress.jsonl"
+    try:
+        _wait_for(lambda: progress.exists() and progress.read_text().count("\n") >= 2, 300,
+                  "training")  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    # Nothing of the run is left running: no island rank, launcher or coordinator.
+    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", leftovers.stdout
+    # The coordinator saved on its way out: its state has the merges it made.
+    state = json.loads((workdir / "state" / "coordinator.json").read_text())
+    assert sum(state["merges"]) >= 1
