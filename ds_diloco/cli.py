@@ -34,9 +34,11 @@ def _run(args) -> int:
 def _bench(args) -> int:
     if args.what == "coordinator":
         from ds_diloco.bench.coordinator import main as bench_main
-
-        return bench_main(args)
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    elif args.what == "island":
+        from ds_diloco.bench.island import main as bench_main
+    else:
+        raise SystemExit(f"unknown benchmark {args.what!r}")
+    return bench_main(args)
 
 
 def _export(args) -> int:
@@ -96,12 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_export)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["coordinator"])
-    b.add_argument("--fragment-mb", type=float, default=64.0, help="fragment size (fp32 MiB)")
-    b.add_argument("--contributions", type=int, default=4, help="K contributions per merge")
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--json", metavar="PATH", default=None, help="also write a JSON summary here")
-    b.set_defaults(fn=_bench)
+    bench = b.add_subparsers(dest="what", required=True)
+    bc = bench.add_parser("coordinator", help="outer step vs copy, upload vs raw socket")
+    bc.add_argument("--fragment-mb", type=float, default=64.0, help="fragment size (fp32 MiB)")
+    bc.add_argument("--contributions", type=int, default=4, help="K contributions per merge")
+    bc.add_argument("--repeats", type=int, default=5)
+    bi = bench.add_parser("island", help="island step time and memory vs plain ZeRO-3")
+    bi.add_argument("--run", metavar="FILE", default=None,
+                    help="a run file (its first island is used); default: the tiny Llama, "
+                    "one island of 2 ranks, coordinator as in launch/demo.yaml")  # fmt: skip
+    bi.add_argument("--steps", type=int, default=None,
+                    help="inner steps per launch (default: 60, or the run file's)")  # fmt: skip
+    bi.add_argument("--repeats", type=int, default=3, help="launches per mode, alternated")
+    for parser in (bc, bi):
+        parser.add_argument(
+            "--json", metavar="PATH", default=None, help="also write a JSON summary"
+        )
+        parser.set_defaults(fn=_bench)
     return p
 
 

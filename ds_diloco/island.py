@@ -168,6 +168,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "sync_max_s": round(sync_max_s, 4),
         "versions": syncer.versions(),
         "step_s_median": statistics.median(step_times),
+        "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "shard_fp32_mb": round(
             sum(4 * shard_numel(p.ds_numel, world, rank) for p in engine.module.parameters())

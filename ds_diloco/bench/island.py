@@ -1,0 +1,615 @@
+"""``ds-diloco bench island``: one island's step time and memory against plain ZeRO-3.
+
+The same island job runs in two modes, each a fresh launch through the deepspeed
+launcher (``ds-diloco island [--plain]``), with the same model, data, DeepSpeed
+config and training settings:
+
+- ``plain``: DeepSpeed ZeRO-3 alone (``run_island(plain=True)``: the same loop,
+  no coordinator, no syncer);
+- ``ds_diloco``: the same loop with the syncer, against a coordinator started
+  as its own process for every launch (fresh state: every launch starts from
+  the same global model).
+
+Launches alternate (plain, ds_diloco, plain, ...) ``repeats`` times. From each
+rank's summary: its per-step times (whole steps, sync work included) after the
+first ``warmup`` steps, its peak RSS (``ru_maxrss``) and the fp32 size of its own
+shard. The island's step time is, per step, the slowest rank's (the ranks meet
+in every step's collectives), then the median over steps. Medians over launches
+are compared:
+
+- step time ratio ds_diloco / plain, goal <= 1.02;
+- peak RSS ds_diloco - plain, goal: at most one fp32 copy of the rank's own
+  shard (island-wide: of all the island's shards, i.e. one fp32 model).
+
+Where the overhead goes: the syncer's work inside the step (``sync_s``), of it
+the ranks' agreement collective (``stats.agree_s``), the training part's
+slowdown, and the CPU time the coordinator process used during the job (read
+from ``/proc/<pid>/stat`` before it is stopped). On a small machine the
+coordinator competes with the ranks for the same cores; in production it runs
+on another host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ds_diloco.config import (
+    CoordinatorConfig,
+    DataConfig,
+    IslandConfig,
+    IslandSpec,
+    ModelSource,
+    RunConfig,
+    TrainConfig,
+    load_run_config,
+)
+from ds_diloco.merge import StalenessPolicy
+from ds_diloco.outer_optim import OuterOptimConfig
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.run import LocalRun, free_port
+
+STEP_GOAL = 1.02
+"""ds_diloco's island step time may be at most this many times plain ZeRO-3's."""
+
+WARMUP_STEPS = 5
+"""Steps dropped at the start of every launch (first-step tracing, allocations)."""
+
+DEFAULT_STEPS = 60
+MODES = ("plain", "ds_diloco")
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------- workload
+def default_run_config(steps: int = DEFAULT_STEPS, workdir: str = "runs/bench-island") -> RunConfig:
+    """The tiny Llama, ZeRO-3 on CPU, one island of 2 ranks, coordinator as in launch/demo.yaml.
+
+    Data: the Shakespeare corpus in .cache/corpus (launch/get_corpus.sh) if it is
+    there, else the sonnets in tests/data.
+    """
+    corpus = REPO / ".cache" / "corpus"
+    if not any(corpus.rglob("*.txt")):
+        corpus = REPO / "tests" / "data"
+    model = ModelSource(config=str(REPO / "model_configs" / "tiny-llama.json"), seed=0)
+    return RunConfig(
+        model=model,
+        deepspeed_config=str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        data=DataConfig(
+            path=str(corpus),
+            vocab_size=4096,
+            seq_len=128,
+            cache_dir=str(REPO / ".cache" / "ds_diloco"),
+        ),
+        train=TrainConfig(steps=steps, micro_batch=4, lr=0.002, warmup_steps=10, log_every=10),
+        islands=(IslandSpec(name="island", world_size=2),),
+        coordinator=CoordinatorConfig(
+            model=model,
+            state_dir=str(Path(workdir) / "state"),
+            num_fragments=8,  # P
+            sync_every=8,  # H: one fragment every H/P = 1 inner step
+            outer=OuterOptimConfig(name="nesterov", lr=0.7, momentum=0.9),
+            policy=PolicyOptions(min_quorum=1, grace_gamma=0.5, tau=2),
+            staleness=StalenessPolicy(mode="drop"),
+        ),
+        workdir=workdir,
+        export=False,
+    )
+
+
+def one_island(cfg: RunConfig, steps: int | None = None) -> RunConfig:
+    """``cfg`` cut to its first island (plain ZeRO-3 runs one job), ``steps`` if given."""
+    train = cfg.train if steps is None else dataclasses.replace(cfg.train, steps=steps)
+    return dataclasses.replace(cfg, islands=cfg.islands[:1], train=train, export=False)
+
+
+# ------------------------------------------------------------------ launches
+@dataclasses.dataclass
+class Launch:
+    """One fresh launch of the island in one mode, and what its ranks reported."""
+
+    mode: str
+    repeat: int
+    ranks: list[dict]
+    """The ranks' ``summary-rank<r>.json``, by rank."""
+    warmup: int
+    """Steps dropped at the start."""
+    launch_s: float
+    """From starting the launcher until it exited (imports, engine build, loop, evals)."""
+    coordinator_versions: list[int] | None = None
+    """The coordinator's fragment versions at the end (ds_diloco only)."""
+    island_cpu_s: float | None = None
+    """CPU seconds (user + system) of the launcher and the ranks, the whole launch."""
+    coordinator_cpu_s: float | None = None
+    """CPU seconds (user + system) the coordinator used while the island ran."""
+
+    def step_times(self, rank: int) -> list[float]:
+        """Step times after warm-up: of one rank, or (``rank`` -1) per step the slowest rank's."""
+        if rank < 0:  # the ranks meet in every step's collectives: the slowest sets the pace
+            times = [max(s) for s in zip(*(r["step_times_s"] for r in self.ranks))]
+        else:
+            times = self.ranks[rank]["step_times_s"]
+        return times[self.warmup :] if len(times) > self.warmup else times
+
+    def step_s(self, rank: int = -1) -> float:
+        """Median step time after warm-up (``rank`` -1: the island's)."""
+        return statistics.median(self.step_times(rank))
+
+    @property
+    def island_step_s(self) -> float:
+        return self.step_s(-1)
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "repeat": self.repeat,
+            "launch_s": self.launch_s,
+            "island_step_s": self.island_step_s,
+            "island_step_mean_s": statistics.fmean(self.step_times(-1)),
+            "rank_step_s": [self.step_s(r) for r in range(len(self.ranks))],
+            "coordinator_versions": self.coordinator_versions,
+            "island_cpu_s": self.island_cpu_s,
+            "coordinator_cpu_s": self.coordinator_cpu_s,
+            "ranks": self.ranks,
+        }
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process, from /proc (None where unreadable)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the name may hold spaces; fields from 3 on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's waited-for children (and theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _plain_dict(obj) -> dict:
+    return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} missing)"
+
+
+def launch(
+    cfg: RunConfig,
+    mode: str,
+    workdir: Path,
+    repeat: int = 0,
+    warmup: int = WARMUP_STEPS,
+    timeout_s: float | None = None,
+) -> Launch:
+    """Run ``cfg``'s first island once in ``mode`` (``plain`` or ``ds_diloco``), fresh."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    plain = mode == "plain"
+    spec = cfg.islands[0]
+    cfg = dataclasses.replace(
+        cfg,
+        workdir=str(workdir),
+        coordinator=dataclasses.replace(cfg.coordinator, state_dir=str(workdir / "state")),
+    )
+    lr = LocalRun(cfg)
+    timeout_s = timeout_s or 300 + 10 * cfg.train.steps
+    try:
+        url = "http://127.0.0.1:9"  # plain: never contacted
+        if not plain:
+            client = lr.start_coordinator()
+            url = lr.url
+        d = workdir / "islands" / spec.name
+        d.mkdir(parents=True, exist_ok=True)
+        icfg = IslandConfig(
+            island=spec.name,
+            coordinator_url=url,
+            model=cfg.model,
+            deepspeed_config=cfg.deepspeed_config,
+            data=cfg.data,
+            train=cfg.train,
+            shard=0,
+            num_shards=1,
+            workdir=str(d),
+        )
+        (d / "island.json").write_text(json.dumps(_plain_dict(icfg), indent=1))
+        # The command ds-diloco run uses (run.LocalRun.start_islands), with --plain or not.
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--master_port",
+            str(spec.master_port or free_port()),
+        ]
+        cmd += ["--include", spec.include] if spec.include else ["--num_gpus", str(spec.world_size)]
+        cmd += ["--module", "ds_diloco.cli", "island", *(["--plain"] if plain else [])]
+        cmd += ["--config", str(d / "island.json")]
+        cpu0 = None if plain else _cpu_seconds(lr.coordinator.pid)
+        # The launcher waits for the ranks, so once it is waited for, its children's CPU
+        # counts here too; the coordinator is waited for only later, in lr.stop().
+        children0 = _children_cpu_seconds()
+        t0 = time.perf_counter()
+        with (d / "log.txt").open("w") as log:
+            proc = lr.islands[spec.name] = subprocess.Popen(
+                cmd, env=lr.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{mode} launch {repeat} did not finish in {timeout_s:.0f} s; log:\n"
+                + _tail(d / "log.txt")
+            ) from None
+        launch_s = time.perf_counter() - t0
+        island_cpu_s = _children_cpu_seconds() - children0
+        versions = cpu_s = None
+        if not plain:
+            cpu1 = _cpu_seconds(lr.coordinator.pid)  # before stopping: it saves on SIGTERM
+            cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+            versions = client.status()["versions"]
+            client.session.close()
+        paths = [d / f"summary-rank{r}.json" for r in range(spec.world_size)]
+        if proc.returncode != 0 or not all(p.exists() for p in paths):
+            raise RuntimeError(
+                f"{mode} launch {repeat} failed (exit {proc.returncode}); log:\n"
+                + _tail(d / "log.txt")
+            )
+        ranks = [json.loads(p.read_text()) for p in paths]
+    finally:
+        lr.stop()
+    return Launch(
+        mode=mode,
+        repeat=repeat,
+        ranks=ranks,
+        warmup=warmup,
+        launch_s=launch_s,
+        island_cpu_s=island_cpu_s,
+        coordinator_versions=versions,
+        coordinator_cpu_s=cpu_s,
+    )
+
+
+# ------------------------------------------------------------------- results
+@dataclasses.dataclass
+class Side:
+    """One mode's figures for a rank or the island: medians over launches."""
+
+    step_s: float
+    step_mean_s: float
+    peak_rss_mb: float
+    train_per_step_s: float
+    """Mean time of a step's training part (forward, backward, optimizer), all steps."""
+    sync_per_step_s: float
+    """Mean time of a step's sync part (``syncer.on_step``), all steps."""
+    agree_per_step_s: float
+    """Of the sync part: the ranks' agreement collective."""
+
+
+@dataclasses.dataclass
+class Row:
+    """A rank (``rank`` >= 0) or the whole island (``rank`` = -1): plain against ds_diloco."""
+
+    rank: int
+    plain: Side
+    ds_diloco: Side
+    shard_fp32_mb: float
+    """fp32 MiB of the rank's own shard (the island: of all its ranks' shards)."""
+    step_goal: float = STEP_GOAL
+
+    @property
+    def name(self) -> str:
+        return "island" if self.rank < 0 else f"rank {self.rank}"
+
+    @property
+    def step_ratio(self) -> float:
+        return self.ds_diloco.step_s / self.plain.step_s
+
+    @property
+    def rss_extra_mb(self) -> float:
+        return self.ds_diloco.peak_rss_mb - self.plain.peak_rss_mb
+
+    @property
+    def step_met(self) -> bool:
+        return self.step_ratio <= self.step_goal
+
+    @property
+    def rss_met(self) -> bool:
+        return self.rss_extra_mb <= self.shard_fp32_mb
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "plain": dataclasses.asdict(self.plain),
+            "ds_diloco": dataclasses.asdict(self.ds_diloco),
+            "shard_fp32_mb": self.shard_fp32_mb,
+            "step_ratio": self.step_ratio,
+            "step_goal": self.step_goal,
+            "step_met": self.step_met,
+            "rss_extra_mb": self.rss_extra_mb,
+            "rss_goal_mb": self.shard_fp32_mb,
+            "rss_met": self.rss_met,
+        }
+
+
+@dataclasses.dataclass
+class IslandBench:
+    """Every launch, in the order run, and the comparison rows they give."""
+
+    launches: list[Launch]
+    world_size: int
+    steps: int
+    warmup: int
+
+    def of(self, mode: str) -> list[Launch]:
+        return [x for x in self.launches if x.mode == mode]
+
+    def _side(self, mode: str, rank: int) -> Side:
+        runs = self.of(mode)
+        ranks = (lambda x: x.ranks) if rank < 0 else (lambda x: [x.ranks[rank]])
+
+        def med(f) -> float:
+            return statistics.median(f(x) for x in runs)
+
+        def per_step(key: str):
+            return lambda x: statistics.fmean(r[key] / r["steps"] for r in ranks(x))
+
+        def agree(x) -> float:
+            return statistics.fmean(
+                (r["stats"] or {}).get("agree_s", 0.0) / r["steps"] for r in ranks(x)
+            )
+
+        return Side(
+            step_s=med(lambda x: x.step_s(rank)),
+            step_mean_s=med(lambda x: statistics.fmean(x.step_times(rank))),
+            peak_rss_mb=med(lambda x: sum(r["peak_rss_mb"] for r in ranks(x))),
+            train_per_step_s=med(per_step("train_s")),
+            sync_per_step_s=med(per_step("sync_s")),
+            agree_per_step_s=med(agree),
+        )
+
+    def rows(self) -> list[Row]:
+        first = self.of("ds_diloco")[0].ranks
+        out = [
+            Row(
+                rank=r,
+                plain=self._side("plain", r),
+                ds_diloco=self._side("ds_diloco", r),
+                shard_fp32_mb=first[r]["shard_fp32_mb"],
+            )
+            for r in range(self.world_size)
+        ]
+        island = Row(
+            rank=-1,
+            plain=self._side("plain", -1),
+            ds_diloco=self._side("ds_diloco", -1),
+            shard_fp32_mb=sum(r["shard_fp32_mb"] for r in first),
+        )
+        return [*out, island]
+
+    @property
+    def coordinator_cpu_s(self) -> float | None:
+        cpu = [x.coordinator_cpu_s for x in self.of("ds_diloco")]
+        return None if None in cpu else statistics.median(cpu)
+
+    def island_cpu_s(self, mode: str) -> float:
+        """Median CPU seconds of a whole launch's processes (launcher and ranks)."""
+        return statistics.median(x.island_cpu_s for x in self.of(mode))
+
+    def spread(self, mode: str) -> tuple[float, float, float, float]:
+        """(lowest, highest) island step time and island peak RSS over ``mode``'s launches."""
+        steps = [x.island_step_s for x in self.of(mode)]
+        rss = [sum(r["peak_rss_mb"] for r in x.ranks) for x in self.of(mode)]
+        return min(steps), max(steps), min(rss), max(rss)
+
+    @property
+    def launch_s(self) -> float:
+        """Median wall time of the ds_diloco launches (launcher start to exit)."""
+        return statistics.median(x.launch_s for x in self.of("ds_diloco"))
+
+
+def run_bench(
+    cfg: RunConfig, repeats: int, warmup: int = WARMUP_STEPS, workdir: Path | None = None, echo=None
+) -> IslandBench:
+    """``repeats`` rounds of (plain, ds_diloco) launches of ``cfg``'s first island."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    cfg = one_island(cfg)
+    _prepare_data(cfg)  # tokenizer and blocks cached once, outside every timed launch
+    own = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="ds-diloco-bench-island-")) if own else Path(workdir)
+    launches = []
+    try:
+        for r in range(repeats):
+            for mode in MODES:
+                x = launch(cfg, mode, root / f"{r}-{mode}", repeat=r, warmup=warmup)
+                launches.append(x)
+                if echo:
+                    echo(_launch_line(x))
+    except BaseException:
+        if own:
+            print(f"bench island: launch directories kept in {root}", file=sys.stderr)
+        raise
+    if own:
+        shutil.rmtree(root, ignore_errors=True)
+    return IslandBench(
+        launches=launches,
+        world_size=cfg.islands[0].world_size,
+        steps=cfg.train.steps,
+        warmup=warmup,
+    )
+
+
+def _prepare_data(cfg: RunConfig) -> None:
+    from ds_diloco.data import prepare_corpus
+
+    d = cfg.data
+    prepare_corpus(
+        d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer, text_field=d.text_field
+    )
+
+
+# -------------------------------------------------------------------- report
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _launch_line(x: Launch) -> str:
+    ranks = "  ".join(
+        f"r{r['rank']} {_ms(x.step_s(i))} rss {r['peak_rss_mb']:.0f} MB"
+        for i, r in enumerate(x.ranks)
+    )
+    extra = ""
+    if x.mode == "ds_diloco":
+        v = x.coordinator_versions or [0]
+        cpu = "?" if x.coordinator_cpu_s is None else f"{x.coordinator_cpu_s:.1f} s"
+        extra = f"  coordinator versions {min(v)}..{max(v)}, cpu {cpu}"
+    return (
+        f"  [{x.repeat + 1}] {x.mode:9s} island step {_ms(x.island_step_s)}  ({ranks})  "
+        f"launch {x.launch_s:.1f} s{extra}"
+    )
+
+
+def format_report(bench: IslandBench, cfg: RunConfig) -> str:
+    c, t, d = cfg.coordinator, cfg.train, cfg.data
+    cores = os.cpu_count()
+    lines = [
+        f"ds-diloco bench island  (one island of {bench.world_size} ZeRO-3 ranks vs the same "
+        f"job as plain ZeRO-3; model {cfg.model.config or cfg.model.pretrained}; "
+        f"data {d.path}, seq_len {d.seq_len}, micro_batch {t.micro_batch}; {bench.steps} steps, "
+        f"first {bench.warmup if bench.steps > bench.warmup else 0} dropped; P={c.num_fragments} H={c.sync_every} "
+        f"K={c.policy.min_quorum} tau={c.policy.tau}; median of {len(bench.of('plain'))} "
+        f"launches per mode, alternated, plain first)",
+        f"  note: the coordinator is a separate process, as in production where it runs on "
+        f"another host; on this {cores}-core machine it competes with the {bench.world_size} "
+        f"ranks and their syncer threads for the same cores.",
+        f"step time (whole step, sync included; island = per step the slowest rank), "
+        f"goal ds_diloco / plain <= {STEP_GOAL:g}:",
+    ]
+    rows = bench.rows()
+    for row in rows:
+        lines.append(
+            f"    {row.name:7s} plain {_ms(row.plain.step_s)}  ds_diloco "
+            f"{_ms(row.ds_diloco.step_s)}  ratio {row.step_ratio:.3f}  "
+            f"({'met' if row.step_met else 'MISSED'})   [means: {_ms(row.plain.step_mean_s)} vs "
+            f"{_ms(row.ds_diloco.step_mean_s)}, ratio "
+            f"{row.ds_diloco.step_mean_s / row.plain.step_mean_s:.3f}]"
+        )
+    plain, ds = bench.spread("plain"), bench.spread("ds_diloco")
+    lines.append(
+        f"    (island step over launches: plain {_ms(plain[0])}..{_ms(plain[1])}, ds_diloco "
+        f"{_ms(ds[0])}..{_ms(ds[1])})"
+    )
+    lines.append(
+        "peak host memory (ru_maxrss; island = sum over ranks), goal ds_diloco - plain <= one "
+        "fp32 copy of the own shard:"
+    )
+    for row in rows:
+        lines.append(
+            f"    {row.name:7s} plain {row.plain.peak_rss_mb:.1f} MB  ds_diloco "
+            f"{row.ds_diloco.peak_rss_mb:.1f} MB  extra {row.rss_extra_mb:+.1f} MB  vs shard "
+            f"fp32 {row.shard_fp32_mb:.1f} MB  ({'met' if row.rss_met else 'MISSED'})"
+        )
+    lines.append(
+        f"    (island peak RSS over launches: plain {plain[2]:.0f}..{plain[3]:.0f} MB, "
+        f"ds_diloco {ds[2]:.0f}..{ds[3]:.0f} MB)"
+    )
+    lines.append(
+        "where the overhead goes (means per step over all steps, warm-up included; medians "
+        "over launches):"
+    )
+    for row in rows:
+        p, s = row.plain, row.ds_diloco
+        total = s.train_per_step_s + s.sync_per_step_s
+        slower_ms = (s.train_per_step_s - p.train_per_step_s) * 1e3
+        lines.append(
+            f"    {row.name:7s} train part plain {_ms(p.train_per_step_s)} -> ds_diloco "
+            f"{_ms(s.train_per_step_s)} ({slower_ms:+.1f} ms); sync "
+            f"part {_ms(s.sync_per_step_s)} = {100 * s.sync_per_step_s / total:.1f}% of the "
+            f"step, of it agreement collective {_ms(s.agree_per_step_s)}"
+        )
+    pc, dc = bench.island_cpu_s("plain"), bench.island_cpu_s("ds_diloco")
+    lines.append(
+        f"    island processes (launcher + ranks, whole launch incl. start-up): CPU plain "
+        f"{pc:.1f} s, ds_diloco {dc:.1f} s ({dc - pc:+.1f} s = {_ms((dc - pc) / bench.steps)} "
+        f"per inner step)"
+    )
+    cpu = bench.coordinator_cpu_s
+    if cpu is None:
+        lines.append("    coordinator process CPU time: not readable here (no /proc)")
+    else:
+        wall = bench.launch_s
+        lines.append(
+            f"    coordinator process: {cpu:.1f} CPU s while the island ran (launcher start to "
+            f"exit, {wall:.1f} s: {100 * cpu / wall:.0f}% of one core; {_ms(cpu / bench.steps)} "
+            f"per inner step)"
+        )
+    return "\n".join(lines)
+
+
+def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
+    return {
+        "settings": {
+            "model": _plain_dict(cfg.model),
+            "deepspeed_config": cfg.deepspeed_config,
+            "data": _plain_dict(cfg.data),
+            "train": _plain_dict(cfg.train),
+            "coordinator": {
+                "num_fragments": cfg.coordinator.num_fragments,
+                "sync_every": cfg.coordinator.sync_every,
+                "policy": dataclasses.asdict(cfg.coordinator.policy),
+            },
+            "world_size": bench.world_size,
+            "steps": bench.steps,
+            "warmup": bench.warmup,
+            "repeats": len(bench.of("plain")),
+            "cpu_count": os.cpu_count(),
+        },
+        "rows": [r.to_json() for r in bench.rows()],
+        "coordinator_cpu_s": bench.coordinator_cpu_s,
+        "island_cpu_s": {m: bench.island_cpu_s(m) for m in MODES},
+        "launches": [x.to_json() for x in bench.launches],
+    }
+
+
+def main(args) -> int:
+    """The CLI's ``bench island``: args.run (a run file or None), args.steps, args.repeats,
+    args.json."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.run:
+        full = load_run_config(args.run)
+        cfg = one_island(full, args.steps)
+        if len(full.islands) > 1:
+            print(
+                f"bench island: {args.run} has {len(full.islands)} islands; benchmarking "
+                f"the first ({cfg.islands[0].name}) alone",
+                flush=True,
+            )
+    else:
+        cfg = default_run_config(args.steps or DEFAULT_STEPS)
+    print(
+        f"bench island: {args.repeats} x (plain, ds_diloco) launches of "
+        f"{cfg.train.steps} steps ...",
+        flush=True,
+    )
+    bench = run_bench(cfg, args.repeats, echo=lambda line: print(line, flush=True))
+    print(format_report(bench, cfg), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(bench, cfg), indent=2))
+    return 0

@@ -1,0 +1,124 @@
+"""Smoke test of ``ds-diloco bench island`` at a tiny size: real launches of both modes.
+
+No timing is asserted (the figures depend on the machine); what is asserted is
+that both modes ran as what they claim to be (the plain launch without a syncer,
+the ds_diloco launch merging at its coordinator) and that the result holds
+positive, finite step times and memory figures for every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ds_diloco import cli
+from ds_diloco.bench.island import format_report, run_bench, to_json
+from ds_diloco.config import (
+    CoordinatorConfig,
+    DataConfig,
+    IslandSpec,
+    ModelSource,
+    RunConfig,
+    TrainConfig,
+)
+from ds_diloco.round_policy import PolicyOptions
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def tiny_run(tmp_path, tiny_config_path) -> RunConfig:
+    model = ModelSource(config=tiny_config_path, seed=0)
+    return RunConfig(
+        model=model,
+        deepspeed_config=str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        data=DataConfig(
+            path=str(REPO / "tests" / "data"),
+            vocab_size=512,
+            seq_len=32,
+            cache_dir=str(tmp_path / "cache"),
+            heldout_fraction=0.05,
+        ),
+        train=TrainConfig(steps=STEPS, micro_batch=4, lr=3e-3, log_every=2),
+        islands=(IslandSpec(name="island", world_size=2),),
+        coordinator=CoordinatorConfig(
+            model=model,
+            state_dir=str(tmp_path / "state"),
+            num_fragments=4,
+            sync_every=4,
+            policy=PolicyOptions(min_quorum=1, grace_gamma=0.5, tau=1),
+        ),
+        workdir=str(tmp_path / "run"),
+        export=False,
+    )
+
+
+def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_config_path):
+    cfg = tiny_run(tmp_path, tiny_config_path)
+    bench = run_bench(cfg, repeats=1, warmup=2, workdir=tmp_path / "bench")
+
+    assert [x.mode for x in bench.launches] == ["plain", "ds_diloco"]
+    for x in bench.launches:
+        assert len(x.ranks) == 2 and [r["rank"] for r in x.ranks] == [0, 1]
+        for r in x.ranks:
+            assert r["steps"] == STEPS and len(r["step_times_s"]) == STEPS, r
+            assert all(_positive_finite(t) for t in r["step_times_s"]), r["step_times_s"]
+            assert _positive_finite(r["peak_rss_mb"]) and _positive_finite(r["shard_fp32_mb"]), r
+        assert _positive_finite(x.island_step_s) and _positive_finite(x.launch_s)
+        assert _positive_finite(x.island_cpu_s)
+
+    plain, ds = bench.launches
+    # The baseline really is plain ZeRO-3: no syncer, no coordinator.
+    assert all(
+        r["plain"] is True and r["stats"] is None and r["versions"] == [] for r in plain.ranks
+    )
+    assert plain.coordinator_versions is None and plain.coordinator_cpu_s is None
+    # The ds_diloco launch really synced: every rank uploaded, the coordinator merged,
+    # and the ranks applied merged fragments.
+    assert all(r["plain"] is False for r in ds.ranks)
+    assert all(r["stats"]["uploads"] == STEPS and r["stats"]["failed"] == 0 for r in ds.ranks)
+    assert ds.coordinator_versions is not None and max(ds.coordinator_versions) > 0
+    assert all(max(r["versions"]) > 0 and r["stats"]["applied"] > 0 for r in ds.ranks), ds.ranks
+    assert ds.coordinator_cpu_s is not None and ds.coordinator_cpu_s >= 0
+    # The same job on both sides: the same shard of the same model on each rank.
+    assert [r["shard_fp32_mb"] for r in plain.ranks] == [r["shard_fp32_mb"] for r in ds.ranks]
+
+    rows = bench.rows()
+    assert [row.name for row in rows] == ["rank 0", "rank 1", "island"]
+    for row in rows:
+        for side in (row.plain, row.ds_diloco):
+            assert _positive_finite(side.step_s) and _positive_finite(side.peak_rss_mb)
+        assert _positive_finite(row.step_ratio) and math.isfinite(row.rss_extra_mb)
+    assert rows[-1].shard_fp32_mb == pytest.approx(rows[0].shard_fp32_mb + rows[1].shard_fp32_mb)
+    assert rows[-1].plain.peak_rss_mb == pytest.approx(
+        rows[0].plain.peak_rss_mb + rows[1].plain.peak_rss_mb
+    )
+
+    report = format_report(bench, cfg)
+    assert report.count("ratio") >= 3 and "coordinator process" in report
+    summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
+    assert len(summary["launches"]) == 2 and len(summary["rows"]) == 3
+
+
+def test_cli_parses_bench_island_flags():
+    args = cli.build_parser().parse_args(["bench", "island", "--steps", "7", "--json", "x.json"])
+    got = (args.what, args.steps, args.repeats, args.run, args.json)
+    assert got == ("island", 7, 3, None, "x.json")
+    args = cli.build_parser().parse_args(["bench", "coordinator", "--repeats", "2"])
+    assert (args.what, args.repeats, args.fragment_mb) == ("coordinator", 2, 64.0)
+
+
+def test_cli_refuses_bad_counts_in_one_line(capsys):
+    assert cli.main(["bench", "island", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert cli.main(["bench", "island", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
