@@ -40,6 +40,7 @@ from ds_diloco.state_store import StateStore
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
+VERSION_RESERVE = 16  # version numbers made durable per fsync of versions.json
 
 
 class CoordinatorError(Exception):
@@ -179,6 +180,7 @@ class Coordinator:
         self._xi_sync = Ema()
         self._merges_since_save = 0
         self._closed = False
+        self._versions_lock = threading.Lock()
         if self.store.exists():
             self._load()
         else:
@@ -199,7 +201,8 @@ class Coordinator:
             values = torch.cat([tensors[p.name].reshape(-1) for p in frag.params])
             self._frags.append(self._new_fragment_state(frag, values))
         log.info("initialised %d fragments from %s", len(self._frags), self.cfg.model)
-        self.save(all_fragments=True)
+        self._reserved = self.versions()
+        self.save(all_fragments=True, final=True)
 
     def _new_fragment_state(self, frag: Fragment, values: torch.Tensor) -> _FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
@@ -236,11 +239,15 @@ class Coordinator:
         self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
         self._xi_quorum = Ema.from_dict(state["xi_quorum"])
         self._xi_sync = Ema.from_dict(state["xi_sync"])
+        self._reserved = self.versions()
         log.info("resumed from %s at versions %s", self.cfg.state_dir, self.versions())
 
     # ------------------------------------------------------------- persistence
-    def save(self, all_fragments: bool = False) -> int:
-        """Write changed fragments and the island table; returns fragments written."""
+    def save(self, all_fragments: bool = False, final: bool = False) -> int:
+        """Write changed fragments and the island table; returns fragments written.
+
+        ``final``: no merge follows (shutdown), so unused reserved versions are released.
+        """
         written = 0
         for fs in self._frags:
             fs.lock.acquire_read()
@@ -265,6 +272,12 @@ class Coordinator:
             }
             self._merges_since_save = 0
         self.store.write_json("coordinator.json", state)
+        if final:
+            with self._versions_lock:
+                self._reserved = self.versions()
+                self.store.write_json(
+                    "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
+                )
         return written
 
     # ------------------------------------------------------------------ islands
@@ -582,11 +595,7 @@ class Coordinator:
         fs.lock.acquire_write()
         try:
             fs.optimizer.step(fs.values, grad)
-            # The number must be durable before anyone can see it: versions never go back.
-            with self._lock:
-                served = {str(f.fragment.index): f.version for f in self._frags}
-            served[str(fs.fragment.index)] = version + 1
-            self.store.write_json("versions.json", served)
+            self._reserve(fs.fragment.index, version + 1)
             fs.version = version + 1
         finally:
             fs.lock.release_write()
@@ -626,6 +635,21 @@ class Coordinator:
             decision.reason,
             sync,
         )
+
+    def _reserve(self, index: int, version: int) -> None:
+        """Make ``version`` durable as reserved before anyone can see it.
+
+        Versions never go backwards, even after a crash that lost the latest values:
+        a restart resumes above every reserved number. Reserving a block at a time
+        keeps the fsync off most merges; a clean shutdown gives back the unused rest.
+        """
+        with self._versions_lock:
+            if version <= self._reserved[index]:
+                return
+            self._reserved[index] = version + VERSION_RESERVE - 1
+            self.store.write_json(
+                "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
+            )
 
     def next_wakeup(self) -> float | None:
         """Earliest time a waiting round may close (None: nothing waits on a clock)."""

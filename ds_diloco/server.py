@@ -236,7 +236,7 @@ class CoordinatorServer:
             await self._runner.cleanup()
         self._pool.shutdown(wait=True)
         if save:
-            self.coord.save()
+            self.coord.save(final=True)
 
 
 def build_server(cfg: CoordinatorConfig) -> CoordinatorServer:

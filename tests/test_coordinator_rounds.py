@@ -196,3 +196,18 @@ def test_requests_are_served_while_a_fragment_is_being_written(tiny_config_path,
         finally:
             fs.lock.release_write()
         assert done.wait(5), "the download completes once the update is done"
+
+
+def test_versions_stay_above_every_served_one_across_reservation_blocks(tiny_config_path, tmp_path):
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=1000)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 1, coord.plan.signature)
+    for step in range(2, 2 * 40 + 1, 2):  # 40 merges of fragment 0: several reservation blocks
+        send(coord, "a", 0, step=step)
+        assert coord.poll(0).merge
+    assert coord.versions()[0] == 40
+    again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)  # after a SIGKILL
+    assert again.versions()[0] > 40
+    again.save(final=True)  # a clean stop releases what was reserved and not used
+    third = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    assert third.versions() == again.versions()
