@@ -31,6 +31,7 @@ from ds_diloco.fragments import Fragment, FragmentPlan, Schedule
 from ds_diloco.sharding import shard_range
 
 log = logging.getLogger(__name__)
+_NEVER = 2**62  # a version no fragment reaches: "not waiting for this one"
 
 
 class ShardAccess(Protocol):
@@ -264,7 +265,8 @@ class FragmentSyncer:
                 problem,
             )
             return None
-        return version, {n: t.float().clone() for n, t in slices.items()}
+        # The slices alias the response body, which they keep alive; nothing writes to them.
+        return version, slices
 
     def _check(self, frag: Fragment, slices: dict[str, torch.Tensor]) -> str | None:
         if set(slices) != set(frag.names):
@@ -293,12 +295,17 @@ class FragmentSyncer:
     def _downloader(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                waiting = [s.sent_step is not None and s.ready is None for s in self.slots]
-            if not any(waiting):
+                # Only fragments we wait for may end the long poll: another island's merge of
+                # a fragment we are not waiting for must not wake us (that would spin).
+                known = [
+                    s.version if s.sent_step is not None and s.ready is None else _NEVER
+                    for s in self.slots
+                ]
+            if all(k == _NEVER for k in known):
                 time.sleep(self.poll_s)
                 continue
-            try:  # long poll: returns at once when a fragment is newer than what we hold
-                self.client.versions(self.island, known=self.versions(), wait=self.long_poll_s)
+            try:  # long poll: returns at once when a fragment we wait for is newer
+                self.client.versions(self.island, known=known, wait=self.long_poll_s)
             except Exception as e:
                 self.stats.failed += 1
                 log.warning("%s/%d versions: %s", self.island, self.rank, e)
