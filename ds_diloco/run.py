@@ -98,28 +98,34 @@ class LocalRun:
         raise RuntimeError("coordinator did not come up within 120 s")
 
     def start_islands(self) -> None:
-        num = len(self.cfg.islands)
         for shard, spec in enumerate(self.cfg.islands):
-            d = self.workdir / "islands" / spec.name
-            d.mkdir(parents=True, exist_ok=True)
-            icfg = IslandConfig(
-                island=spec.name, coordinator_url=self.url, model=self.cfg.model,
-                deepspeed_config=self.cfg.deepspeed_config, data=self.cfg.data,
-                train=self.cfg.train, shard=shard, num_shards=num, workdir=str(d),
-            )  # fmt: skip
-            (d / "island.json").write_text(json.dumps(_asdict(icfg), indent=1))
-            port = spec.master_port or free_port()
-            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
-            cmd += (
-                ["--include", spec.include]
-                if spec.include
-                else ["--num_gpus", str(spec.world_size)]
-            )
-            cmd += ["--module", "ds_diloco.cli", "island", "--config", str(d / "island.json")]
-            log = (d / "log.txt").open("w")
-            self.islands[spec.name] = subprocess.Popen(
+            self.start_island(spec, shard, len(self.cfg.islands))
+
+    def start_island(self, spec, shard: int, num_shards: int, plain: bool = False):
+        """One island through the deepspeed launcher, in its own process group.
+
+        ``plain`` runs the same job as plain ZeRO-3, without the coordinator (benchmarks).
+        """
+        d = self.workdir / "islands" / spec.name
+        d.mkdir(parents=True, exist_ok=True)
+        icfg = IslandConfig(
+            island=spec.name, coordinator_url=self.url or "http://127.0.0.1:9",
+            model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
+            data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
+            workdir=str(d),
+        )  # fmt: skip
+        (d / "island.json").write_text(json.dumps(_asdict(icfg), indent=1))
+        port = spec.master_port or free_port()
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
+        cmd += ["--include", spec.include] if spec.include else ["--num_gpus", str(spec.world_size)]
+        cmd += ["--module", "ds_diloco.cli", "island", *(["--plain"] if plain else [])]
+        cmd += ["--config", str(d / "island.json")]
+        with (d / "log.txt").open("w") as log:
+            proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self.islands[spec.name] = proc
+        return proc
 
     def stop(self) -> None:
         """Islands first (their process groups), then the coordinator, which saves."""

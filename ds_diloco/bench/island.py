@@ -46,7 +46,6 @@ from pathlib import Path
 from ds_diloco.config import (
     CoordinatorConfig,
     DataConfig,
-    IslandConfig,
     IslandSpec,
     ModelSource,
     RunConfig,
@@ -56,7 +55,7 @@ from ds_diloco.config import (
 from ds_diloco.merge import StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
-from ds_diloco.run import LocalRun, free_port
+from ds_diloco.run import LocalRun
 
 STEP_GOAL = 1.02
 """ds_diloco's island step time may be at most this many times plain ZeRO-3's."""
@@ -207,44 +206,15 @@ def launch(
     lr = LocalRun(cfg)
     timeout_s = timeout_s or 300 + 10 * cfg.train.steps
     try:
-        url = "http://127.0.0.1:9"  # plain: never contacted
-        if not plain:
+        if not plain:  # plain: no coordinator, never contacted
             client = lr.start_coordinator()
-            url = lr.url
         d = workdir / "islands" / spec.name
-        d.mkdir(parents=True, exist_ok=True)
-        icfg = IslandConfig(
-            island=spec.name,
-            coordinator_url=url,
-            model=cfg.model,
-            deepspeed_config=cfg.deepspeed_config,
-            data=cfg.data,
-            train=cfg.train,
-            shard=0,
-            num_shards=1,
-            workdir=str(d),
-        )
-        (d / "island.json").write_text(json.dumps(_plain_dict(icfg), indent=1))
-        # The command ds-diloco run uses (run.LocalRun.start_islands), with --plain or not.
-        cmd = [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--master_port",
-            str(spec.master_port or free_port()),
-        ]
-        cmd += ["--include", spec.include] if spec.include else ["--num_gpus", str(spec.world_size)]
-        cmd += ["--module", "ds_diloco.cli", "island", *(["--plain"] if plain else [])]
-        cmd += ["--config", str(d / "island.json")]
         cpu0 = None if plain else _cpu_seconds(lr.coordinator.pid)
         # The launcher waits for the ranks, so once it is waited for, its children's CPU
         # counts here too; the coordinator is waited for only later, in lr.stop().
         children0 = _children_cpu_seconds()
         t0 = time.perf_counter()
-        with (d / "log.txt").open("w") as log:
-            proc = lr.islands[spec.name] = subprocess.Popen(
-                cmd, env=lr.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        proc = lr.start_island(spec, 0, 1, plain=plain)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
