@@ -395,23 +395,20 @@ def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...]) -> dict:
 
 # Paths resolved against the config file even when they do not exist yet.
 _OUTPUTS = ("workdir", "cache_dir", "state_dir")
-ISLAND_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
-                "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
+# Paths that island configs and run files give relative to the file.
+FILE_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
+              "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
 
 
 def load_island_config(path: str | os.PathLike) -> IslandConfig:
     base = Path(path).resolve().parent
-    return from_dict(IslandConfig, _resolve_paths(load_file(path), base, ISLAND_PATHS))
-
-
-RUN_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
-             "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
+    return from_dict(IslandConfig, _resolve_paths(load_file(path), base, FILE_PATHS))
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     """A run file; the coordinator section takes the run's model and workdir/state by default."""
     base = Path(path).resolve().parent
-    data = _resolve_paths(load_file(path), base, RUN_PATHS)
+    data = _resolve_paths(load_file(path), base, FILE_PATHS)
     coord = data.get("coordinator", {})
     if not isinstance(coord, dict):
         raise ValueError("coordinator: expected a mapping")

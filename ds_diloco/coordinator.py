@@ -179,7 +179,6 @@ class Coordinator:
         self._xi_quorum = Ema()
         self._xi_sync = Ema()
         self._merges_since_save = 0
-        self._closed = False
         self._versions_lock = threading.Lock()
         if self.store.exists():
             self._load()
@@ -436,11 +435,12 @@ class Coordinator:
     def _reply(status: str, fs: _FragmentState, reason: str, **extra) -> dict:
         return {"status": status, "reason": reason, "version": fs.version, **extra}
 
-    def _weight(self, h: wire.UploadHeader, version: int) -> tuple[float, str]:
-        if h.tokens == 0:
+    def _weight(self, c: wire.UploadHeader | _Contribution, version: int) -> tuple[float, str]:
+        """Token weight with the staleness policy applied, against ``version``."""
+        if c.tokens == 0:
             return 0.0, "no tokens trained since the last sync"
         return staleness_weight(
-            token_weight(h.tokens, h.steps), version - h.base_version, self.cfg.staleness
+            token_weight(c.tokens, c.steps), version - c.base_version, self.cfg.staleness
         )
 
     def _fragment(self, index: int) -> _FragmentState:
@@ -582,9 +582,7 @@ class Coordinator:
         sq = torch.zeros(hi, len(fs.segments), dtype=torch.float64)
         reasons = {}
         for c in contribs:
-            w, why = staleness_weight(
-                token_weight(c.tokens, c.steps), version - c.base_version, self.cfg.staleness
-            )
+            w, why = self._weight(c, version)
             weights[c.row] = w
             sq[c.row] = c.sq_norms
             reasons[c.island] = why

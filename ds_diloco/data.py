@@ -366,8 +366,7 @@ def prepare_corpus(
         tok = AutoTokenizer.from_pretrained(str(tokenizer))
         corpus = {**corpus, "tokenizer": str(Path(tokenizer).resolve()), "vocab": len(tok)}
     elif files:
-        key = hashlib.sha256(json.dumps(corpus).encode()).hexdigest()[:16]
-        tok = train_tokenizer(files, vocab_size, cache / f"tokenizer-{key}")
+        tok = train_tokenizer(files, vocab_size, _tokenizer_dir(cache, files, vocab_size))
     else:
         raise ValueError(
             f"data.path {str(source)!r} holds no local text files to train a tokenizer on: "
@@ -386,6 +385,9 @@ def prepare_corpus(
 
 def tokenizer_dir(cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int) -> Path:
     """Where :func:`prepare_corpus` keeps the tokenizer it trained for ``source``."""
-    files = find_text_files(source)
+    return _tokenizer_dir(cache_dir, find_text_files(source), vocab_size)
+
+
+def _tokenizer_dir(cache_dir, files: Sequence[str], vocab_size: int) -> Path:
     key = hashlib.sha256(json.dumps(_fingerprint(files, vocab_size)).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"tokenizer-{key}"

@@ -51,7 +51,8 @@ def _env(token: str) -> dict:
     return env
 
 
-def _asdict(obj):
+def plain_dict(obj) -> dict:
+    """A config dataclass as a dict for JSON, unset (None) fields left out."""
     return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
 
 
@@ -74,7 +75,7 @@ class LocalRun:
         c = self.cfg.coordinator
         # A restarted coordinator must come back where the islands look for it.
         port = self._port = getattr(self, "_port", None) or c.port or free_port()
-        coord = {**_asdict(c), "port": port, "token": None}
+        coord = {**plain_dict(c), "port": port, "token": None}
         coord.pop("token")
         path = self.workdir / "coordinator.json"
         path.write_text(json.dumps(coord, indent=1))
@@ -114,7 +115,7 @@ class LocalRun:
             data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
             workdir=str(d),
         )  # fmt: skip
-        (d / "island.json").write_text(json.dumps(_asdict(icfg), indent=1))
+        (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
         port = spec.master_port or free_port()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
         cmd += ["--include", spec.include] if spec.include else ["--num_gpus", str(spec.world_size)]

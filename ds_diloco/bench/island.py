@@ -55,7 +55,7 @@ from ds_diloco.config import (
 from ds_diloco.merge import StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
-from ds_diloco.run import LocalRun
+from ds_diloco.run import LocalRun, plain_dict
 
 STEP_GOAL = 1.02
 """ds_diloco's island step time may be at most this many times plain ZeRO-3's."""
@@ -175,10 +175,6 @@ def _children_cpu_seconds() -> float:
     """User + system CPU seconds of this process's waited-for children (and theirs)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def _plain_dict(obj) -> dict:
-    return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -533,10 +529,10 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
 def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
     return {
         "settings": {
-            "model": _plain_dict(cfg.model),
+            "model": plain_dict(cfg.model),
             "deepspeed_config": cfg.deepspeed_config,
-            "data": _plain_dict(cfg.data),
-            "train": _plain_dict(cfg.train),
+            "data": plain_dict(cfg.data),
+            "train": plain_dict(cfg.train),
             "coordinator": {
                 "num_fragments": cfg.coordinator.num_fragments,
                 "sync_every": cfg.coordinator.sync_every,
