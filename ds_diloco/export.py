@@ -4,7 +4,16 @@ The global model lives as P fragments, each one flat fp32 buffer holding whole
 tensors in the plan's order. Export reads them from a running coordinator
 (the wire API, as one rank of a world of size 1) or from its state directory
 (no coordinator needed), cuts them into full-shape tensors and writes a folder
-that ``AutoModelForCausalLM.from_pretrained`` loads.
+that ``AutoModelForCausalLM.from_pretrained`` loads, with a model card
+(README.md) built from what the coordinator knows plus the run's summary JSON
+(:class:`RunSummary`).
+
+Consistency: fragments merge independently, so a live coordinator may merge one
+while the others are being downloaded. Export reads the versions after the
+downloads and fetches again the fragments that moved on, until every fragment
+it holds is still the one served: the set then existed, whole, at that moment.
+A state directory holds what the coordinator last saved (each fragment as it was
+when written); export from the URL while a run is going.
 
 Memory: the model is built with empty (meta) weights and the tensors are
 assigned to it, not copied, so a 7B model needs its tensors once (27 GiB in
@@ -14,6 +23,7 @@ fp32), not twice. Fragments are fetched and cut one at a time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -22,11 +32,15 @@ import torch
 
 from ds_diloco.config import TOKEN_ENV
 from ds_diloco.fragments import Fragment, FragmentPlan
+from ds_diloco.model_card import RunSummary, load_run_summary, model_card
 from ds_diloco.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fmt: skip
+SNAPSHOT_ATTEMPTS = 10
+"""Download passes before giving up on a coordinator whose fragments keep merging."""
 
 
 @dataclasses.dataclass
@@ -42,6 +56,14 @@ class GlobalModel:
     independently, so a live coordinator may be mid-way through a round."""
     signature: str
     """The plan's parameter signature (names and shapes, in model order)."""
+    merges: list[int] | None = None
+    """Merges applied to each fragment (versions may skip numbers after a restart)."""
+    islands: dict[str, dict] = dataclasses.field(default_factory=dict)
+    """The coordinator's island table: world_size, merged, dropped, tokens_merged."""
+    schedule: dict = dataclasses.field(default_factory=dict)
+    """sync_every (H), num_fragments (P), overlap (tau), when the coordinator serves them."""
+    generation_config: dict | None = None
+    """The model's generation_config.json, when the state directory holds one."""
 
 
 def is_url(source: str | os.PathLike) -> bool:
@@ -65,10 +87,17 @@ def split_fragment(fragment: Fragment, values: torch.Tensor) -> dict[str, torch.
     }
 
 
-def load_global(source: str | os.PathLike, token: str | None = None) -> GlobalModel:
-    """Read the global model from a coordinator URL or a coordinator state directory."""
+def load_global(
+    source: str | os.PathLike, token: str | None = None, attempts: int = SNAPSHOT_ATTEMPTS
+) -> GlobalModel:
+    """Read the global model from a coordinator URL or a coordinator state directory.
+
+    From a URL the fragments are one set the coordinator served at one moment;
+    ``attempts`` bounds the download passes spent getting there."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     if is_url(source):
-        return _from_coordinator(str(source), token or os.environ.get(TOKEN_ENV))
+        return _from_coordinator(str(source), token or os.environ.get(TOKEN_ENV), attempts)
     return _from_state_dir(Path(source))
 
 
@@ -112,10 +141,18 @@ def _from_state_dir(root: Path) -> GlobalModel:
         tensors.update(split_fragment(frag, values))
         versions.append(version)
     log.info("read %d fragments from %s at versions %s", len(plan), root, versions)
-    return GlobalModel(config, _in_model_order(plan, tensors), versions, plan.signature)
+    return GlobalModel(
+        config,
+        _in_model_order(plan, tensors),
+        versions,
+        plan.signature,
+        merges=state.get("merges"),
+        islands=state.get("islands", {}),
+        generation_config=store.read_json("model/generation_config.json"),
+    )
 
 
-def _from_coordinator(url: str, token: str | None) -> GlobalModel:
+def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel:
     import requests
 
     from ds_diloco.client import CoordinatorClient, RefusedError
@@ -126,7 +163,8 @@ def _from_coordinator(url: str, token: str | None) -> GlobalModel:
         )
     client = CoordinatorClient(url, token)
     try:
-        plan = FragmentPlan.from_json(client.plan()["plan"])
+        info = client.plan()
+        plan = FragmentPlan.from_json(info["plan"])
         try:
             config = client.model_config()
         except requests.HTTPError as e:
@@ -134,25 +172,54 @@ def _from_coordinator(url: str, token: str | None) -> GlobalModel:
                 f"coordinator {url} could not serve its model config ({e}): its state "
                 "directory may lack model/config.json"
             ) from None
-        tensors: dict[str, torch.Tensor] = {}
-        versions = []
-        for frag in plan.fragments:
-            # World size 1, rank 0: one rank that owns every tensor whole.
-            version, slices = client.download(frag.index, world_size=1, rank=0)
-            missing = sorted(set(frag.names) - set(slices))
-            if missing:
-                raise ValueError(f"coordinator {url}: fragment {frag.index} lacks {missing[:5]}")
-            values = torch.cat([slices[p.name].reshape(-1) for p in frag.params])
-            del slices
-            tensors.update(split_fragment(frag, values))
-            versions.append(version)
+        held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        todo = [f.index for f in plan.fragments]
+        for attempt in range(1, attempts + 1):
+            for i in todo:
+                held[i] = _download(client, url, plan.fragments[i])
+            # Versions only grow: a fragment still at the version it was downloaded at
+            # was served unchanged from its download until now, so the set held is
+            # exactly what the coordinator served at this moment.
+            status = client.status()
+            todo = [i for i, v in enumerate(status["versions"]) if held[i][0] != v]
+            if not todo:
+                break
+            log.info("fragments %s merged during export pass %d of %d; fetching them again",
+                     todo, attempt, attempts)  # fmt: skip
+        else:
+            raise ValueError(
+                f"coordinator {url}: fragments {todo} merged again during each of {attempts} "
+                "download passes, so no consistent set was read; try again (or export from "
+                "the state directory after the run)"
+            )
     except RefusedError as e:
         hint = f": check --token or ${TOKEN_ENV}" if e.status == 401 else ""
         raise ValueError(f"coordinator {url} refused the export ({e}){hint}") from None
     except requests.ConnectionError as e:
         raise ValueError(f"cannot reach the coordinator at {url}: {e}") from None
+    versions = [held[f.index][0] for f in plan.fragments]
+    tensors = {n: t for f in plan.fragments for n, t in held[f.index][1].items()}
     log.info("downloaded %d fragments from %s at versions %s", len(plan), url, versions)
-    return GlobalModel(config, _in_model_order(plan, tensors), versions, plan.signature)
+    return GlobalModel(
+        config,
+        _in_model_order(plan, tensors),
+        versions,
+        plan.signature,
+        merges=status.get("merges"),
+        islands=status.get("islands", {}),
+        schedule=info.get("schedule", {}),
+    )
+
+
+def _download(client, url: str, frag: Fragment) -> tuple[int, dict[str, torch.Tensor]]:
+    # World size 1, rank 0: one rank that owns every tensor whole.
+    version, slices = client.download(frag.index, world_size=1, rank=0)
+    missing = sorted(set(frag.names) - set(slices))
+    if missing:
+        raise ValueError(f"coordinator {url}: fragment {frag.index} lacks {missing[:5]}")
+    values = torch.cat([slices[p.name].reshape(-1) for p in frag.params])
+    del slices
+    return version, split_fragment(frag, values)
 
 
 def _in_model_order(plan: FragmentPlan, tensors: dict[str, torch.Tensor]) -> dict:
@@ -180,13 +247,16 @@ def export_model(
     tokenizer: str | os.PathLike | None = None,
     max_shard_size: int | str = "2GB",
     dtype: torch.dtype | str | None = None,
+    generation_config: dict | None = None,
 ) -> str:
     """Write a Hugging Face model folder (config, generation config, safetensors
     shards with an index when larger than ``max_shard_size``, tokenizer when given).
 
     ``tensors`` are named as ``named_parameters()`` names them (tied weights once;
     the tie is restored here). ``dtype`` (default: the tensors' fp32) is the
-    saved dtype. Returns the folder.
+    saved dtype. The generation config is ``generation_config``, else the
+    tokenizer folder's generation_config.json (a pretrained model folder has one),
+    else derived from the model config. Returns the folder.
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -236,7 +306,12 @@ def export_model(
     if left:
         raise ValueError(f"parameters left without values after loading: {left[:5]}")
     model.eval()
-    if model.can_generate() and model.generation_config is None:
+    if generation_config is None and tokenizer is not None:
+        path = Path(tokenizer) / "generation_config.json"
+        generation_config = json.loads(path.read_text()) if path.is_file() else None
+    if generation_config is not None:
+        model.generation_config = GenerationConfig.from_dict(generation_config)
+    elif model.can_generate() and model.generation_config is None:
         model.generation_config = GenerationConfig.from_model_config(config)
 
     out = Path(out_dir)
@@ -246,3 +321,32 @@ def export_model(
         tok.save_pretrained(str(out))
     log.info("exported %s parameters to %s", f"{sum(t.numel() for t in tensors.values()):,}", out)
     return str(out)
+
+
+def export(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    token: str | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    max_shard_size: int | str = "2GB",
+    run_summary: RunSummary | str | os.PathLike | None = None,
+    repo: str | None = None,
+) -> GlobalModel:
+    """The global model of ``source`` (URL or state directory) as a Hugging Face
+    folder with a model card. ``repo``: the Hub repo it is for (names the card)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if run_summary is not None and not isinstance(run_summary, RunSummary):
+        run_summary = load_run_summary(run_summary)  # before downloading anything
+    g = load_global(source, token)
+    out = export_model(g.config, g.tensors, out_dir, tokenizer=tokenizer,
+                       max_shard_size=max_shard_size, dtype=dtype,
+                       generation_config=g.generation_config)  # fmt: skip
+    title = repo.split("/")[-1] if repo else Path(out).resolve().name
+    saved = str(DTYPES[dtype]).removeprefix("torch.")
+    card = model_card(g, run_summary, title=title, dtype=saved, tokenizer=tokenizer is not None,
+                      repo=repo)  # fmt: skip
+    (Path(out) / "README.md").write_text(card)
+    return g

