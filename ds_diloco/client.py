@@ -15,7 +15,6 @@ import torch
 
 from ds_diloco import wire
 from ds_diloco.fragments import Fragment
-from ds_diloco.server import VERSION_HEADER
 from ds_diloco.sharding import shard_range
 
 log = logging.getLogger(__name__)
@@ -102,9 +101,10 @@ class CoordinatorClient:
         return self._request("POST", "/v1/islands", json=body).json()
 
     def upload(self, header: wire.UploadHeader, slices: dict[str, torch.Tensor]) -> dict:
-        return self.upload_body(wire.encode_upload(header, slices))
+        # Streamed from the slices' memory: no copy of the pseudo-gradient is made.
+        return self.upload_body(wire.upload_parts(header, slices))
 
-    def upload_body(self, body: bytes) -> dict:
+    def upload_body(self, body: bytes | wire.Body) -> dict:
         headers = {"Content-Type": "application/octet-stream"}
         return self._request("POST", "/v1/upload", data=body, headers=headers).json()
 
@@ -131,9 +131,46 @@ class CoordinatorClient:
                 f"download answered {header}, asked for fragment {fragment} "
                 f"rank {rank}/{world_size}"
             )
-        if int(r.headers.get(VERSION_HEADER, header.version)) != header.version:
+        if int(r.headers.get(wire.VERSION_HEADER, header.version)) != header.version:
             raise wire.WireError("download: version header and body disagree")
         return header.version, slices
+
+    def download_into(
+        self,
+        fragment: int,
+        world_size: int,
+        rank: int,
+        dest: dict[str, torch.Tensor],
+        after: int | None = None,
+        island: str | None = None,
+    ) -> int | None:
+        """Like :meth:`download`, but read straight into ``dest`` (no buffer of the body).
+
+        Returns the version, or None if not newer than ``after``. On an error ``dest``
+        may hold part of the body: the caller must not use it.
+        """
+        params = {"world_size": world_size, "rank": rank}
+        if after is not None:
+            params["after"] = after
+        if island:
+            params["island"] = island
+        with self._request("GET", f"/v1/fragments/{fragment}", params=params, stream=True) as r:
+            if r.status_code == 304:
+                return None
+            try:
+                length = int(r.headers["Content-Length"])
+            except (KeyError, ValueError):
+                raise wire.WireError("download without a Content-Length") from None
+            r.raw.decode_content = False
+            header, _ = wire.read_fragment_into(r.raw, length, dest)
+        if header.fragment != fragment or header.world_size != world_size or header.rank != rank:
+            raise wire.WireError(
+                f"download answered {header}, asked for fragment {fragment} "
+                f"rank {rank}/{world_size}"
+            )
+        if int(r.headers.get(wire.VERSION_HEADER, header.version)) != header.version:
+            raise wire.WireError("download: version header and body disagree")
+        return header.version
 
 
 def rank_slices(

@@ -18,11 +18,12 @@ import threading
 
 from aiohttp import web
 
+from ds_diloco import wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
 
 log = logging.getLogger(__name__)
-VERSION_HEADER = "X-DS-Diloco-Version"
+VERSION_HEADER = wire.VERSION_HEADER
 _IDLE_POLL_S = 0.25
 _MAX_WAIT_S = 30.0  # longest long poll
 _READ_BUFSIZE = 16 * 1024 * 1024

@@ -28,7 +28,7 @@ import torch
 from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, RefusedError
 from ds_diloco.fragments import Fragment, FragmentPlan, Schedule
-from ds_diloco.sharding import shard_range
+from ds_diloco.sharding import shard_numel, shard_range
 
 log = logging.getLogger(__name__)
 _NEVER = 2**62  # a version no fragment reaches: "not waiting for this one"
@@ -64,14 +64,28 @@ class ModelShardAccess:
 
 @dataclasses.dataclass
 class _Slot:
-    """What this rank knows about one fragment."""
+    """What this rank knows about one fragment.
 
+    ``base`` holds the global values of the rank's slices (views of one buffer for
+    the whole shard). A downloaded version is written straight into it, so a new
+    global fragment costs no memory beyond the base: ``version`` is what ``base``
+    holds, ``applied`` what the local values started from. ``version > applied``:
+    a new version has arrived and waits for its step; ``version == -1``: ``base``
+    was torn by a bad download and must be fetched again.
+    """
+
+    base: dict[str, torch.Tensor]
     version: int = -1
-    base: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    applied: int = -1
     tokens: int = 0
     steps: int = 0
     sent_step: int | None = None  # step of the upload whose result we wait for
-    ready: tuple[int, dict[str, torch.Tensor]] | None = None  # downloaded, not yet applied
+    refetch: bool = False  # behind the island's other ranks: fetch a newer version
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # base's memory
+
+    @property
+    def arrived(self) -> bool:
+        return self.version > self.applied and not self.refetch
 
 
 @dataclasses.dataclass
@@ -83,6 +97,7 @@ class SyncStats:
     bad_responses: int = 0
     applied: int = 0
     superseded: int = 0  # unsent uploads replaced by a newer one of the same fragment
+    skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap: must stay 0
@@ -112,9 +127,9 @@ class FragmentSyncer:
         self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
         # agree(values) -> (mins, maxs) over the island's ranks; one rank needs none.
         self.agree = agree or (lambda values: (values, values))
-        self.slots = [_Slot() for _ in plan.fragments]
+        self.slots = [_Slot(base) for base in self._base_views()]
         self.stats = SyncStats()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # slot state (not base memory: that is slot.lock)
         # Fragments waiting to be sent, oldest first, and the newest payload of each: a newer
         # pseudo-gradient of a fragment subsumes an older unsent one (same base, more steps),
         # so an outage leaves at most one pending upload per fragment, not one per step.
@@ -127,6 +142,21 @@ class FragmentSyncer:
             for fn in (self._uploader, self._downloader)
         ]
 
+    def _base_views(self) -> list[dict[str, torch.Tensor]]:
+        """One fp32 buffer for all of this rank's slices; per fragment, views in wire order."""
+        sizes = [
+            [(p.name, shard_numel(p.numel, self.world_size, self.rank)) for p in f.params]
+            for f in self.plan.fragments
+        ]
+        flat = torch.empty(sum(n for frag in sizes for _, n in frag), dtype=torch.float32)
+        views, offset = [], 0
+        for frag in sizes:
+            views.append({})
+            for name, n in frag:
+                views[-1][name] = flat[offset : offset + n]
+                offset += n
+        return views
+
     # ----------------------------------------------------------- training side
     def bootstrap(self, attempts: int = 20) -> list[int]:
         """Take every fragment's current global value, the same version on every rank.
@@ -136,13 +166,13 @@ class FragmentSyncer:
         """
         todo = list(self.plan.fragments)
         for _ in range(attempts):
-            got = {f.index: self._download(f, after=None) for f in todo}
-            versions = [got[f.index][0] if got[f.index] else -1 for f in todo]
-            lows, highs = self.agree(versions)
+            for f in todo:
+                self._fetch(f, self.slots[f.index], after=None)
+            lows, highs = self.agree([self.slots[f.index].version for f in todo])
             retry = []
             for f, lo, hi in zip(todo, lows, highs):
                 if lo == hi >= 0:
-                    self._apply(f, *got[f.index], blend=False)
+                    self._apply(f, self.slots[f.index], blend=False)
                 else:
                     retry.append(f)
             self._flush()
@@ -159,7 +189,8 @@ class FragmentSyncer:
         )
 
     def versions(self) -> list[int]:
-        return [s.version for s in self.slots]
+        """The global version each fragment's local values started from."""
+        return [s.applied for s in self.slots]
 
     def on_step(self, step: int, tokens: int) -> list[int]:
         """Call after inner step ``step`` (from 1) with the island's tokens of that step.
@@ -180,19 +211,20 @@ class FragmentSyncer:
         applied = []
         if due:
             with self._lock:
-                held = [slot.ready for _, slot in due]
+                held = [slot.version if slot.arrived else -1 for _, slot in due]
             t0 = time.perf_counter()
-            lows, highs = self.agree([h[0] if h else -1 for h in held])
+            lows, highs = self.agree(held)
             self.stats.agree_s += time.perf_counter() - t0
             for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
                 if lo == hi >= 0:  # every rank holds the same new version: apply it now
-                    with self._lock:
-                        slot.ready, slot.sent_step = None, None
-                    self._apply(frag, *h, blend=True)
+                    # An arrived version is not written to again until applied: no wait here.
+                    with slot.lock:
+                        self._apply(frag, slot, blend=True)
+                    slot.sent_step = None
                     applied.append(frag.index)
-                elif h is not None and h[0] < hi:  # behind another rank: fetch again
+                elif 0 <= h < hi:  # behind another rank: fetch again
                     with self._lock:
-                        slot.ready = None
+                        slot.refetch = True
             self._flush()
         p = self.schedule.due(step)
         if p is not None:
@@ -201,35 +233,48 @@ class FragmentSyncer:
 
     def _send(self, frag: Fragment, step: int) -> None:
         slot = self.slots[frag.index]
-        delta = {n: slot.base[n] - self.access.read(n) for n in frag.names}
+        # Every rank marks the send, uploaded or not, so that the ranks' due steps agree.
+        slot.sent_step = step
+        # The base must be the version the local values started from, and no download may
+        # be writing it; otherwise this rank skips the upload (the contribution is then
+        # incomplete and never counts; the next send of the fragment carries its progress).
+        if not slot.lock.acquire(blocking=False):
+            self.stats.skipped += 1
+            return
+        try:
+            with self._lock:
+                usable = slot.version == slot.applied >= 0 and not slot.refetch
+            if not usable:
+                self.stats.skipped += 1
+                return
+            delta = {n: slot.base[n] - self.access.read(n) for n in frag.names}
+        finally:
+            slot.lock.release()
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,
             world_size=self.world_size,
             fragment=frag.index,
-            base_version=slot.version,
+            base_version=slot.applied,
             step=step,
             tokens=slot.tokens,
             steps=max(slot.steps, 1),
         )
         with self._lock:
-            slot.sent_step, slot.ready = step, None  # a newer send supersedes an older wait
             if frag.index in self._pending:
                 self.stats.superseded += 1
             else:
                 self._uploads.put(frag.index)
             self._pending[frag.index] = (header, delta)
 
-    def _apply(self, frag: Fragment, version: int, slices: dict[str, torch.Tensor], blend: bool):
-        """Write a downloaded global fragment (owned fp32 slices) and make it the new base."""
-        slot = self.slots[frag.index]
+    def _apply(self, frag: Fragment, slot: _Slot, blend: bool) -> None:
+        """Write the fragment's global values (in ``slot.base``) into the local ones."""
         for name in frag.names:
-            new = slices[name]
+            new = slot.base[name]
             if blend and self.alpha > 0.0:
                 new = self.alpha * self.access.read(name) + (1.0 - self.alpha) * new
             self.access.write(name, new)
-            slot.base[name] = slices[name]  # the base is the global value, never the blend
-        slot.version, slot.tokens, slot.steps = version, 0, 0
+        slot.applied, slot.tokens, slot.steps = slot.version, 0, 0
         self.stats.applied += 1
 
     def _flush(self) -> None:
@@ -237,48 +282,53 @@ class FragmentSyncer:
         if flush is not None:
             flush()
 
-    def _download(self, frag: Fragment, after: int | None):
-        """(version, slices) checked whole against the plan, or None; never raises."""
-        self._count_network_call()
-        try:
-            got = self.client.download(
-                frag.index, self.world_size, self.rank, after=after, island=self.island
-            )
-        except Exception as e:  # unreachable or refused: try again later
-            self.stats.failed += 1
-            log.warning(
-                "%s/%d download of fragment %d failed: %s", self.island, self.rank, frag.index, e
-            )
-            return None
-        if got is None:
-            return None
-        version, slices = got
-        problem = self._check(frag, slices)
-        if problem:  # never applied half-way: the whole answer is dropped
-            self.stats.bad_responses += 1
-            log.error(
-                "%s/%d bad answer for fragment %d v%d: %s",
-                self.island,
-                self.rank,
-                frag.index,
-                version,
-                problem,
-            )
-            return None
-        # The slices alias the response body, which they keep alive; nothing writes to them.
-        return version, slices
+    def _fetch(self, frag: Fragment, slot: _Slot, after: int | None) -> bool:
+        """Download a newer version of ``frag`` into ``slot.base``; True if one came. Never raises.
 
-    def _check(self, frag: Fragment, slices: dict[str, torch.Tensor]) -> str | None:
-        if set(slices) != set(frag.names):
-            return f"tensors {sorted(set(slices) ^ set(frag.names))[:4]} missing or unexpected"
-        for p in frag.params:
-            t = slices[p.name]
-            a, b = shard_range(p.numel, self.world_size, self.rank)
-            if t.dim() != 1 or t.numel() != b - a:
-                return f"{p.name}: {t.numel()} values, expected {b - a}"
-            if not torch.isfinite(t).all():
-                return f"{p.name}: NaN or Inf"
-        return None
+        A bad or broken answer may have overwritten part of the base: the slot is then
+        marked torn (version -1) and fetched again whole; the local values are untouched.
+        """
+        self._count_network_call()
+        with slot.lock:
+            try:
+                version = self.client.download_into(
+                    frag.index, self.world_size, self.rank, slot.base, after=after,
+                    island=self.island,
+                )  # fmt: skip
+                problem = None
+                if version is not None:
+                    bad = [n for n, t in slot.base.items() if not torch.isfinite(t).all()]
+                    problem = f"{bad[0]}: NaN or Inf" if bad else None
+            except (RefusedError, wire.WireError) as e:
+                version, problem = None, str(e)
+            except Exception as e:  # unreachable: try again later
+                self.stats.failed += 1
+                log.warning(
+                    "%s/%d download of fragment %d failed: %s",
+                    self.island,
+                    self.rank,
+                    frag.index,
+                    e,
+                )
+                version, problem = None, None
+                torn = True
+            else:
+                torn = problem is not None
+            if problem is not None:  # never applied: the base is fetched again whole
+                self.stats.bad_responses += 1
+                log.error(
+                    "%s/%d bad answer for fragment %d: %s",
+                    self.island,
+                    self.rank,
+                    frag.index,
+                    problem,
+                )
+            with self._lock:
+                if torn:
+                    slot.version = -1
+                elif version is not None:
+                    slot.version, slot.refetch = version, False
+            return version is not None and not torn
 
     # ---------------------------------------------------------- network side
     def _uploader(self) -> None:
@@ -292,18 +342,28 @@ class FragmentSyncer:
             self._upload(header, delta)
             self._uploads.task_done()
 
+    def _wanted(self) -> list[int | None]:
+        """Per fragment, the version to fetch a newer one than (-1: any), or None: not now."""
+        with self._lock:
+            out: list[int | None] = []
+            for s in self.slots:
+                if s.version < 0:  # torn by a bad download
+                    out.append(-1)
+                elif s.refetch or (s.sent_step is not None and s.version == s.applied):
+                    out.append(s.version)
+                else:
+                    out.append(None)
+            return out
+
     def _downloader(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                # Only fragments we wait for may end the long poll: another island's merge of
-                # a fragment we are not waiting for must not wake us (that would spin).
-                known = [
-                    s.version if s.sent_step is not None and s.ready is None else _NEVER
-                    for s in self.slots
-                ]
-            if all(k == _NEVER for k in known):
+            wanted = self._wanted()
+            if all(w is None for w in wanted):
                 time.sleep(self.poll_s)
                 continue
+            # Only fragments we wait for may end the long poll: another island's merge of
+            # a fragment we are not waiting for must not wake us (that would spin).
+            known = [_NEVER if w is None else w for w in wanted]
             try:  # long poll: returns at once when a fragment we wait for is newer
                 self.client.versions(self.island, known=known, wait=self.long_poll_s)
             except Exception as e:
@@ -311,7 +371,9 @@ class FragmentSyncer:
                 log.warning("%s/%d versions: %s", self.island, self.rank, e)
                 self._stop.wait(self.poll_s)
                 continue
-            self._poll_results()
+            for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
+                if w is not None:
+                    self._fetch(frag, slot, after=None if w < 0 else w)
 
     def _count_network_call(self) -> None:
         if threading.get_ident() == self._train_thread:
@@ -338,19 +400,6 @@ class FragmentSyncer:
         except Exception as e:  # coordinator unreachable: keep training, try again next time
             self.stats.failed += 1
             log.warning("%s/%d upload failed: %s", self.island, self.rank, e)
-
-    def _poll_results(self) -> None:
-        for frag, slot in zip(self.plan.fragments, self.slots):
-            with self._lock:
-                waiting = slot.sent_step is not None and slot.ready is None
-                have = slot.version
-            if not waiting:
-                continue
-            got = self._download(frag, after=have)
-            if got is not None:
-                with self._lock:
-                    if slot.sent_step is not None:
-                        slot.ready = got
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued uploads, then stop the background thread."""

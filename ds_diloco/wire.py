@@ -20,6 +20,8 @@ from collections.abc import Mapping
 import torch
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+VERSION_HEADER = "X-DS-Diloco-Version"
+"""HTTP header of a download: the fragment's version (also in the body's metadata)."""
 _DTYPES = {
     "F32": torch.float32,
     "F64": torch.float64,
@@ -85,7 +87,15 @@ def _meta_to_header(cls, meta: Mapping[str, str]):
 
 
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
-    """A safetensors file of 1-D tensors, written without intermediate copies."""
+    """A safetensors file of 1-D tensors, in one buffer."""
+    return bytes(encode_parts(tensors, metadata))
+
+
+def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Body:
+    """A safetensors file of 1-D tensors, as parts that alias the tensors (no copy).
+
+    The tensors must not change until the body has been sent.
+    """
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise WireError(f"metadata must map strings to strings, got {dict(metadata)!r}")
     header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -108,7 +118,29 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> 
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
-    return b"".join([struct.pack("<Q", len(head)), head, *chunks])
+    return Body([struct.pack("<Q", len(head)), head, *chunks])
+
+
+class Body:
+    """An encoded message as its parts: the header, then views of the tensors' memory.
+
+    ``requests`` sends it without joining the parts (``len`` gives Content-Length,
+    iteration the parts, once per attempt), so an upload costs no copy of the
+    tensors; ``bytes(body)`` joins them where one buffer is needed.
+    """
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.nbytes = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -123,8 +155,33 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
         raise WireError(
             f"malformed body: header length {hlen} does not fit a {len(view)}-byte body"
         )
+    meta, entries = _parse_header(view[8 : 8 + hlen])
+    data = view[8 + hlen :]
+    tensors: dict[str, torch.Tensor] = {}
+    for e in _check_layout(entries, len(data)):
+        try:
+            tensors[e.name] = _frombuffer(data[e.start : e.end], e.dtype, e.numel).view(e.shape)
+        except (RuntimeError, TypeError) as err:  # an empty tensor whose dims overflow int64
+            raise WireError(
+                f"malformed body: tensor {e.name!r} has shape {e.shape} ({err})"
+            ) from None
+    return meta, tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    start: int
+    end: int
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    numel: int
+
+
+def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[_Entry]]:
+    """The metadata and the tensor entries of a header, sorted by data offset."""
     try:
-        header = json.loads(bytes(view[8 : 8 + hlen]))
+        header = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"malformed body: header is not JSON ({e})") from None
     except RecursionError:  # e.g. "[[[[...": nested deeper than the parser's stack allows
@@ -135,7 +192,6 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
     meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise WireError("malformed body: __metadata__ must map strings to strings")
-    data = view[8 + hlen :]
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict):
@@ -150,31 +206,79 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
         offsets = _int_list(name, info, "data_offsets")
         if len(offsets) != 2:
             raise WireError(f"malformed body: tensor {name!r} data_offsets must be [start, end]")
-        entries.append((offsets[0], offsets[1], name, _DTYPES[dtype_name], shape))
-    # By (start, end), as safetensors does: an empty tensor may share its start with the next.
-    entries.sort(key=lambda e: (e[0], e[1]))
-    tensors: dict[str, torch.Tensor] = {}
-    end_expected = 0
-    for start, end, name, dtype, shape in entries:
         numel = 1
-        for s in shape:
-            if s < 0:
+        for d in shape:
+            if d < 0:
                 raise WireError(f"malformed body: tensor {name!r} has a negative dimension")
-            numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if start != end_expected or end - start != numel * itemsize or end > len(data):
+            numel *= d
+        entries.append(_Entry(offsets[0], offsets[1], name, _DTYPES[dtype_name], shape, numel))
+    # By (start, end), as safetensors does: an empty tensor may share its start with the next.
+    entries.sort(key=lambda e: (e.start, e.end))
+    return meta, entries
+
+
+def _check_layout(entries: list[_Entry], data_len: int) -> list[_Entry]:
+    """The entries, checked to tile ``data_len`` bytes exactly, in order, without gaps."""
+    end_expected = 0
+    for e in entries:
+        itemsize = torch.empty((), dtype=e.dtype).element_size()
+        if e.start != end_expected or e.end - e.start != e.numel * itemsize or e.end > data_len:
             raise WireError(
-                f"malformed body: tensor {name!r} offsets [{start}, {end}) do not match its "
-                f"shape {shape} and the {len(data)} data bytes"
+                f"malformed body: tensor {e.name!r} offsets [{e.start}, {e.end}) do not match "
+                f"its shape {e.shape} and the {data_len} data bytes"
             )
-        end_expected = end
-        try:
-            tensors[name] = _frombuffer(data[start:end], dtype, numel).view(shape)
-        except (RuntimeError, TypeError) as e:  # an empty tensor whose dims overflow int64
-            raise WireError(f"malformed body: tensor {name!r} has shape {shape} ({e})") from None
-    if end_expected != len(data):
-        raise WireError(f"malformed body: {len(data) - end_expected} trailing bytes")
-    return meta, tensors
+        end_expected = e.end
+    if end_expected != data_len:
+        raise WireError(f"malformed body: {data_len - end_expected} trailing bytes")
+    return entries
+
+
+def read_fragment_into(
+    stream, length: int, dest: Mapping[str, torch.Tensor]
+) -> tuple[FragmentHeader, dict[str, str]]:
+    """Read a download of ``length`` bytes from ``stream`` straight into ``dest``'s memory.
+
+    ``dest`` maps every expected tensor name to a contiguous 1-D tensor of the
+    expected dtype and size; the body must hold exactly those. Nothing is
+    buffered, so a body that turns out bad has already overwritten part of
+    ``dest``: the caller treats ``dest`` as garbage on any error. Returns the
+    header and the metadata.
+    """
+    head = _read_exact(stream, 8)
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > length:
+        raise WireError(f"malformed body: header length {hlen} does not fit a {length}-byte body")
+    meta, entries = _parse_header(memoryview(_read_exact(stream, hlen)))
+    header = _meta_to_header(FragmentHeader, meta)
+    got = {e.name for e in entries}
+    if got != set(dest):
+        raise WireError(f"tensors {sorted(got ^ set(dest))[:4]} missing or unexpected")
+    for e in _check_layout(entries, length - 8 - hlen):
+        out = dest[e.name]
+        if e.dtype != out.dtype or e.numel != out.numel() or len(e.shape) != 1:
+            raise WireError(
+                f"{e.name}: {e.dtype} of shape {e.shape}, expected {out.dtype} of {out.numel()}"
+            )
+        if e.numel:
+            _readinto(stream, memoryview(out.view(torch.uint8).numpy()))
+    if stream.read(1):
+        raise WireError(f"malformed body: longer than its {length} bytes")
+    return header, meta
+
+
+def _read_exact(stream, n: int) -> bytes:
+    buf = bytearray(n)
+    _readinto(stream, memoryview(buf))
+    return bytes(buf)
+
+
+def _readinto(stream, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = stream.readinto(view[done:])
+        if not n:
+            raise WireError(f"body ended early: {done} of {len(view)} bytes of a tensor")
+        done += n
 
 
 def _int_list(name: str, info: dict, key: str) -> list[int]:
@@ -201,6 +305,11 @@ def _frombuffer(buf: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor
 
 def encode_upload(header: UploadHeader, slices: Mapping[str, torch.Tensor]) -> bytes:
     return encode(slices, _header_to_meta(header))
+
+
+def upload_parts(header: UploadHeader, slices: Mapping[str, torch.Tensor]) -> Body:
+    """An upload as parts aliasing ``slices``: what the client streams."""
+    return encode_parts(slices, _header_to_meta(header))
 
 
 def decode_upload(body: bytes) -> tuple[UploadHeader, dict[str, torch.Tensor]]:

@@ -152,7 +152,7 @@ def scenario_syncer(spec, rank, world):
             out["local1"] = zero.gather_full_params(engine)
         waiting = [s for s in syncer.slots if s.sent_step is not None]
         deadline = time.monotonic() + 30
-        while any(s.ready is None for s in waiting) and time.monotonic() < deadline:
+        while not all(s.arrived for s in waiting) and time.monotonic() < deadline:
             time.sleep(0.01)  # results this rank waits for are due now: let them arrive
         applied.append(syncer.on_step(step, tokens=ids.numel() * world))
         versions.append(syncer.versions())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,7 +63,7 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
         expected = {n: glob[n] - 0.7 * (0.01 + 0.9 * 0.01) for n in plan.fragments[0].names}
         got = srv.coord.global_tensors()
         assert all(torch.allclose(got[n], expected[n], atol=1e-6) for n in expected)
-        wait_for(lambda: all(s.slots[0].ready is not None for s in ranks))
+        wait_for(lambda: all(s.slots[0].arrived for s in ranks))
         for s in ranks:  # step 2 = 1 + tau: both ranks apply fragment 0, fragment 1 is sent
             assert s.on_step(2, tokens=64) == [0]
             assert s.versions()[0] == 1 and s.slots[0].tokens == 0
@@ -95,3 +97,112 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     assert time.perf_counter() - t0 < 1.0, "on_step must never wait for the network"
     wait_for(lambda: s.stats.failed >= 1)
     s.close(timeout=5)
+
+
+class _CorruptingProxy:
+    """Forwards to the coordinator; spoils the first ``bad`` fragment downloads that carry data.
+
+    ``how``: "nan" puts a NaN into the last value; "truncate" sends the headers of the
+    whole body, then half of it, and closes the connection. After a spoiled one, fragment
+    downloads answer 503 while ``hold`` is set.
+    """
+
+    def __init__(self, target: str, how: str, bad: int = 1):
+        import http.server
+        import threading
+
+        import requests
+
+        proxy = self
+        self.spoiled = 0
+        self.hold = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _forward(self, method):
+                n = int(self.headers.get("Content-Length", 0))
+                body = self.rfile.read(n) if n else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                r = requests.request(method, target + self.path, data=body, headers=headers)
+                data = r.content
+                spoil = "/v1/fragments/" in self.path and r.status_code == 200
+                spoil = spoil and "after=" in self.path and proxy.spoiled < bad
+                if "/v1/fragments/" in self.path and proxy.hold.is_set():
+                    self.send_error(503)
+                    return
+                if spoil:
+                    proxy.hold.set()
+                    proxy.spoiled += 1
+                    data = bytearray(data)
+                    if how == "nan":
+                        data[-4:] = struct.pack("<f", float("nan"))
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if spoil and how == "truncate":
+                    self.wfile.write(bytes(data[: len(data) // 2]))
+                    self.close_connection = True
+                    return
+                self.wfile.write(bytes(data))
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("how", ["nan", "truncate"])
+def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, tmp_path, how):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        proxy = _CorruptingProxy(srv.url, how)
+        client = CoordinatorClient(proxy.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=0)
+        info = client.register("isl", 1, srv.coord.plan.signature)
+        plan = FragmentPlan.from_json(info["plan"])
+        s = FragmentSyncer(
+            client, "isl", plan, Schedule(**info["schedule"]), ModelShardAccess(model),
+            poll_s=0.01,
+        )  # fmt: skip
+        s.bootstrap()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.01)
+        s.on_step(1, tokens=64)  # fragment 0 sent; its merged result comes back spoiled first
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        # A NaN is a bad answer; a body cut short, a failed download: both tear the base.
+        counted = "bad_responses" if how == "nan" else "failed"
+        wait_for(lambda: getattr(s.stats, counted) >= 1)
+        assert proxy.spoiled == 1 and getattr(s.stats, counted) == 1
+        # While it cannot fetch again, the torn base is never used: not applied at step 2,
+        # and fragment 0's next send (step 3) is skipped rather than sent against it.
+        assert s.on_step(2, tokens=64) == []
+        s.on_step(3, tokens=64)
+        wait_for(lambda: s.stats.uploads == 2)  # fragment 0 at step 1, fragment 1 at step 2
+        assert s.stats.skipped == 1
+        proxy.hold.clear()
+        wait_for(lambda: s.slots[0].arrived)  # fetched again, whole
+        merged = srv.coord.global_tensors()
+        assert 0 in s.on_step(4, tokens=64)
+        params = dict(model.named_parameters())
+        for n in plan.fragments[0].names:  # exactly the coordinator's values, no torn bytes
+            assert torch.equal(params[n].detach(), merged[n]), n
+        s.close(timeout=5)
+        proxy.close()
