@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ds_diloco import wire
@@ -297,7 +298,9 @@ class FragmentSyncer:
                 )  # fmt: skip
                 problem = None
                 if version is not None:
-                    bad = [n for n, t in slot.base.items() if not torch.isfinite(t).all()]
+                    # numpy, single-threaded: a torch op here would start an OpenMP team
+                    # in this thread, competing with training for the cores.
+                    bad = [n for n, t in slot.base.items() if not np.isfinite(t.numpy()).all()]
                     problem = f"{bad[0]}: NaN or Inf" if bad else None
             except (RefusedError, wire.WireError) as e:
                 version, problem = None, str(e)

@@ -272,10 +272,13 @@ def _read_exact(stream, n: int) -> bytes:
     return bytes(buf)
 
 
+_READ_CHUNK = 1 << 20  # a stream may buffer what one readinto asks for: keep that small
+
+
 def _readinto(stream, view: memoryview) -> None:
     done = 0
     while done < len(view):
-        n = stream.readinto(view[done:])
+        n = stream.readinto(view[done : done + _READ_CHUNK])
         if not n:
             raise WireError(f"body ended early: {done} of {len(view)} bytes of a tensor")
         done += n
