@@ -1,0 +1,1 @@
+"""Fault injection for chaos runs: seeded or scripted schedules, an injector, a TCP proxy."""
