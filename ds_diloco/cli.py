@@ -38,6 +38,8 @@ def _bench(args) -> int:
         from ds_diloco.bench.coordinator import main as bench_main
     elif args.what == "island":
         from ds_diloco.bench.island import main as bench_main
+    elif args.what == "quality":
+        from ds_diloco.bench.quality import main as bench_main
     else:
         raise SystemExit(f"unknown benchmark {args.what!r}")
     return bench_main(args)
@@ -146,7 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--steps", type=int, default=None,
                     help="inner steps per launch (default: 60, or the run file's)")  # fmt: skip
     bi.add_argument("--repeats", type=int, default=3, help="launches per mode, alternated")
-    for parser in (bc, bi):
+    bq = bench.add_parser("quality", help="held-out loss and bytes per token: ZeRO-3 vs "
+                          "sync DiLoCo vs Decoupled DiLoCo (ds_diloco/bench/quality.py)")  # fmt: skip
+    bq.add_argument("--preset", choices=["tiny", "125m"], default="tiny",
+                    help="tiny: 2 CPU cores, ~15 min; 125m: llama-125m on the GPUs present")  # fmt: skip
+    bq.add_argument("--steps", type=int, default=None, help="inner steps per rank")
+    bq.add_argument("--islands", type=int, default=None, help="M (default 4)")
+    bq.add_argument("--ranks-per-island", type=int, default=None, help="R (default 1)")
+    bq.add_argument("--sync-every", type=int, default=None, help="H")
+    bq.add_argument("--num-fragments", type=int, default=None, help="P")
+    bq.add_argument("--outer-lr", type=float, default=None, help="Decoupled (and sync) outer lr")
+    bq.add_argument("--sync-outer-lr", type=float, default=None, help="sync DiLoCo's outer lr")
+    bq.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "int4"],
+                    help="codec of the main DiLoCo runs (default int4)")  # fmt: skip
+    bq.add_argument("--no-codecs", action="store_true", help="skip the codec variants")
+    bq.add_argument("--no-hetero", action="store_true", help="skip the heterogeneous variant")
+    bq.add_argument("--tune", action="store_true",
+                    help="only pick the outer lr of each DiLoCo method on the tuning split")  # fmt: skip
+    bq.add_argument("--tune-lrs", default="0.4,0.7,1.0", help="outer lrs --tune tries")
+    bq.add_argument("--workdir", default=None, help="runs go here (default runs/bench-quality)")
+    bq.add_argument("--plot", metavar="PNG", default=None, help="default WORKDIR/quality.png")
+    for parser in (bc, bi, bq):
         parser.add_argument(
             "--json", metavar="PATH", default=None, help="also write a JSON summary"
         )

@@ -100,6 +100,13 @@ class CoordinatorClient:
         body = {"island": island, "world_size": world_size, "signature": signature}
         return self._request("POST", "/v1/islands", json=body).json()
 
+    def leave(self, island: str) -> dict:
+        """The island leaves the run for good (a later register brings it back)."""
+        return self._request("DELETE", f"/v1/islands/{island}").json()
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics").text
+
     def upload(self, header: wire.UploadHeader, slices: dict[str, torch.Tensor]) -> dict:
         # Streamed from the slices' memory: no copy of the pseudo-gradient is made.
         return self.upload_body(wire.upload_parts(header, slices))

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from ds_diloco.compress import Codec
 from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
@@ -68,12 +69,24 @@ class CoordinatorConfig:
     """What happens to a pseudo-gradient computed against an older version."""
     plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
     """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
+    compression: Codec = dataclasses.field(default_factory=Codec)
+    """How islands compress pseudo-gradients on the wire, e.g. ``{name: int4, block: 256}``
+    (``name``: none, bf16, int8 or int4; see ``ds_diloco/compress.py``), with error
+    feedback. Served with the plan at registration, so every island uses the run's
+    setting; the coordinator decodes whatever codec an upload names."""
     save_every_merges: int = 10
     """Write changed fragments to ``state_dir`` after this many merges (and on SIGTERM)."""
     max_body_mb: float = 1024.0
     """Largest accepted request body, in MiB."""
-    island_timeout_s: float = 120.0
-    """An island not heard from for this long no longer counts as live for the quorum."""
+    island_timeout_s: float = 20.0
+    """Lease: an island not heard from for this long no longer counts as live for the
+    quorum (islands send a heartbeat every few seconds, see ``syncer.HEARTBEAT_S``)."""
+    durable_merges: bool = True
+    """Write every merged fragment to ``state_dir`` before serving its version, so that no
+    acknowledged (served) merge is lost in a crash. False: only every ``save_every_merges``
+    (a crash then resumes at older values, under a higher version number)."""
+    uptime_window_s: float = 10.0
+    """Uptime is the share of windows of this many seconds in which some fragment advanced."""
     token: str | None = None
     """Bearer token; default: $DS_DILOCO_TOKEN, else a random one written to state_dir/token."""
 
@@ -100,6 +113,8 @@ class CoordinatorConfig:
             raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
         if self.island_timeout_s <= 0:
             raise ValueError(f"island_timeout_s must be > 0, got {self.island_timeout_s}")
+        if self.uptime_window_s <= 0:
+            raise ValueError(f"uptime_window_s must be > 0, got {self.uptime_window_s}")
 
     def resolve_token(self) -> str:
         """The bearer token: config, then environment, then state_dir/token (created)."""
@@ -189,13 +204,22 @@ class TrainConfig:
     """Held-out micro-batches per evaluation."""
     seed: int = 0
     """Seed of the island's (non-global) randomness."""
+    step_delay_s: float = 0.0
+    """Sleep this long after every inner step (benchmarks: a slower island)."""
+    checkpoint_every: int = 0
+    """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
+    many steps into the island's workdir; a restarted island resumes from it (0: never)."""
 
     def __post_init__(self):
+        if self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         for name in ("steps", "micro_batch", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.step_delay_s < 0:
+            raise ValueError(f"train.step_delay_s must be >= 0, got {self.step_delay_s}")
         if self.warmup_steps < 0 or self.eval_every < 0:
             raise ValueError("train.warmup_steps and train.eval_every must be >= 0")
         if not 0.0 <= self.blend_alpha < 1.0:
@@ -285,6 +309,10 @@ class RunConfig:
     """Export the merged model as a Hugging Face folder at the end (workdir/export)."""
     prompt: str = "ROMEO:"
     """Prompt of the sample generated from the exported model."""
+    max_restarts: int = 5
+    """An island whose rank dies is torn down and restarted at most this many times."""
+    restart_backoff_s: float = 1.0
+    """Wait before the first restart; doubles per restart of the same process, up to 30 s."""
 
     def __post_init__(self):
         if not self.islands:
@@ -292,6 +320,8 @@ class RunConfig:
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):
             raise ValueError(f"islands: names must be unique, got {names}")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ValueError("max_restarts and restart_backoff_s must be >= 0")
 
 
 def from_dict(cls, data: Any, where: str = ""):

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 
 import torch
 
-from ds_diloco import wire
+from ds_diloco import compress, wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
 from ds_diloco.merge import (
@@ -33,6 +34,7 @@ from ds_diloco.merge import (
     staleness_weight,
     token_weight,
 )
+from ds_diloco.metrics import IslandTime, RunMetrics, goodput
 from ds_diloco.outer_optim import build_outer_optimizer
 from ds_diloco.round_policy import Decision, Ema, RoundState, decide
 from ds_diloco.sharding import shard_numel, shard_range
@@ -115,6 +117,13 @@ class _Island:
     merged: int = 0
     dropped: int = 0
     tokens_merged: int = 0
+    steps_merged: int = 0
+    """Inner steps in this island's merged contributions, summed over fragments."""
+    joined_at: float = dataclasses.field(default_factory=lambda: time.time())
+    """Wall-clock time of the first registration: from then on the island is allocated."""
+    left_at: float | None = None
+    """Wall-clock time it left for good (``leave``); None while it belongs to the run."""
+    registrations: int = 1
 
     def to_json(self) -> dict:
         return {
@@ -123,6 +132,10 @@ class _Island:
             "merged": self.merged,
             "dropped": self.dropped,
             "tokens_merged": self.tokens_merged,
+            "steps_merged": self.steps_merged,
+            "joined_at": self.joined_at,
+            "left_at": self.left_at,
+            "registrations": self.registrations,
             "uploads": [[f, r, s] for (f, r), s in sorted(self.uploads.items())],
             "step_time": self.step_time.to_dict(),
         }
@@ -132,6 +145,10 @@ class _Island:
         isl = cls(island=island, world_size=d["world_size"], last_seen=now)
         isl.last_step, isl.merged, isl.dropped = d["last_step"], d["merged"], d["dropped"]
         isl.tokens_merged = d["tokens_merged"]
+        isl.steps_merged = d.get("steps_merged", 0)
+        isl.joined_at = d.get("joined_at", time.time())
+        isl.left_at = d.get("left_at")
+        isl.registrations = d.get("registrations", 1)
         isl.uploads = {(f, r): s for f, r, s in d["uploads"]}
         isl.step_time = Ema.from_dict(d["step_time"])
         return isl
@@ -180,6 +197,7 @@ class Coordinator:
         self._xi_sync = Ema()
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
+        self.metrics = RunMetrics(cfg.uptime_window_s)
         if self.store.exists():
             self._load()
         else:
@@ -228,8 +246,9 @@ class Coordinator:
             fs = self._new_fragment_state(frag, values)
             if optim:
                 fs.optimizer.load_state_dict(optim)
-            # A version may have been served after the last save: never reuse its number.
-            served = hwm.get(str(frag.index), version)
+            # Written with durable merges, the file holds the last served version. Otherwise a
+            # version may have been served after the last save: never reuse its number.
+            served = version if state.get("durable_merges") else hwm.get(str(frag.index), version)
             fs.version = served + 1 if served > version else version
             fs.saved_version = version
             fs.merges = state["merges"][frag.index]
@@ -238,6 +257,7 @@ class Coordinator:
         self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
         self._xi_quorum = Ema.from_dict(state["xi_quorum"])
         self._xi_sync = Ema.from_dict(state["xi_sync"])
+        self.metrics = RunMetrics.from_dict(state.get("metrics"), self.cfg.uptime_window_s)
         self._reserved = self.versions()
         log.info("resumed from %s at versions %s", self.cfg.state_dir, self.versions())
 
@@ -268,6 +288,8 @@ class Coordinator:
                 "merges": [fs.merges for fs in self._frags],
                 "xi_quorum": self._xi_quorum.to_dict(),
                 "xi_sync": self._xi_sync.to_dict(),
+                "metrics": self.metrics.to_dict(),
+                "durable_merges": self.cfg.durable_merges,
             }
             self._merges_since_save = 0
         self.store.write_json("coordinator.json", state)
@@ -297,17 +319,30 @@ class Coordinator:
         now = self.clock()
         with self._lock:
             isl = self._islands.get(island)
-            if isl is None or isl.world_size != world_size:
-                if isl is not None:
-                    log.info("island %s re-registers with world size %d", island, world_size)
-                self._drop_pending(island)
+            if isl is None:
                 isl = _Island(island=island, world_size=world_size, last_seen=now)
                 self._islands[island] = isl
-            else:  # a restarted island may count its steps from an earlier checkpoint
+                self.metrics.start(isl.joined_at)
+                log.info("island %s joins with world size %d", island, world_size)
+            else:  # restarted (or resized): it may count its steps from an earlier checkpoint
+                log.info("island %s registers again with world size %d", island, world_size)
+                isl.world_size, isl.left_at = world_size, None
+                isl.registrations += 1
                 isl.uploads.clear()
                 isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
-                self._drop_pending(island)
+            self._drop_pending(island)
         return {"island": island, "world_size": world_size, **self.plan_info()}
+
+    def leave(self, island: str) -> dict:
+        """The island leaves the run for good: it no longer counts as live for any quorum."""
+        with self._lock:
+            isl = self._islands.get(island)
+            if isl is None:
+                raise CoordinatorError(404, f"unknown island {island!r}")
+            isl.left_at = time.time()
+            self._drop_pending(island)
+        log.info("island %s left the run", island)
+        return {"island": island, "left": True}
 
     def model_config(self) -> dict:
         """The HF config.json of the global model (for export)."""
@@ -325,6 +360,7 @@ class Coordinator:
                 "num_fragments": self.cfg.num_fragments,
                 "overlap": self.cfg.policy.tau,
             },
+            "compression": dataclasses.asdict(self.cfg.compression),
         }
 
     def _drop_pending(self, island: str) -> None:
@@ -334,9 +370,12 @@ class Coordinator:
                 if c is not None:
                     fs.give_row(c.row)
 
+    def _is_live(self, isl: _Island, now: float) -> bool:
+        """Heard from within the lease (``island_timeout_s``) and not gone for good."""
+        return isl.left_at is None and now - isl.last_seen <= self.cfg.island_timeout_s
+
     def _live_islands(self, now: float) -> int:
-        timeout = self.cfg.island_timeout_s
-        return sum(1 for i in self._islands.values() if now - i.last_seen <= timeout)
+        return sum(1 for i in self._islands.values() if self._is_live(i, now))
 
     def versions(self) -> list[int]:
         return [fs.version for fs in self._frags]
@@ -345,10 +384,11 @@ class Coordinator:
     def upload(self, body: bytes) -> dict:
         """Validate and take in one rank's slices; refuses with CoordinatorError."""
         try:
-            h, slices = wire.decode_upload(body)
+            h, slices, meta = wire.decode_upload_with_metadata(body)
         except wire.WireError as e:
             raise CoordinatorError(400, str(e)) from None
         fs = self._fragment(h.fragment)
+        slices = self._decompress(h, fs.fragment, slices, meta)
         self._check_shape(h, fs.fragment, slices)
         sq = self._check_values(fs, slices, h)  # before any state changes
 
@@ -357,6 +397,8 @@ class Coordinator:
             isl = self._islands.get(h.island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
+            if isl.left_at is not None:
+                raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
             if h.world_size != isl.world_size:
                 raise CoordinatorError(
                     422,
@@ -451,6 +493,27 @@ class Coordinator:
     @staticmethod
     def _ranges(fs: _FragmentState, world_size: int, rank: int):
         return [shard_range(s.numel, world_size, rank) for s in fs.segments]
+
+    def _decompress(self, h: wire.UploadHeader, frag: Fragment, tensors, meta) -> dict:
+        """The float32 slices of a compressed upload (``compress.to_wire``); plain ones as sent.
+
+        Nothing is decoded before the slices' declared shapes have passed the plan's
+        checks, so a body cannot make the coordinator allocate more than a real upload.
+        """
+        # compress.to_wire names its metadata "<slice>#<field>" and its scales "<slice>#scales".
+        if not any("#" in k for k in (*meta, *tensors)):
+            return tensors
+        who = f"island {h.island!r} rank {h.rank} fragment {h.fragment}"
+        try:
+            encoded = compress.from_wire(tensors, meta)
+        except ValueError as e:
+            raise CoordinatorError(400, f"malformed compressed upload from {who}: {e}") from None
+        shapes = {n: torch.empty(e.shape, device="meta") for n, e in encoded.items()}
+        self._check_shape(h, frag, shapes)
+        try:
+            return {n: compress.decode(e) for n, e in encoded.items()}
+        except ValueError as e:
+            raise CoordinatorError(422, f"bad compressed values from {who}: {e}") from None
 
     def _check_shape(self, h: wire.UploadHeader, frag: Fragment, slices) -> None:
         if not 0 <= h.rank < h.world_size:
@@ -593,7 +656,10 @@ class Coordinator:
         fs.lock.acquire_write()
         try:
             fs.optimizer.step(fs.values, grad)
-            self._reserve(fs.fragment.index, version + 1)
+            if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
+                self._make_durable(fs, version + 1)
+            else:
+                self._reserve(fs.fragment.index, version + 1)
             fs.version = version + 1
         finally:
             fs.lock.release_write()
@@ -604,11 +670,15 @@ class Coordinator:
             self._xi_sync.update(sync)
             if state.quorum_at is not None and state.first_arrival is not None:
                 self._xi_quorum.update(state.quorum_at - state.first_arrival)
-            for c in contribs:
+            counted = [c for c in contribs if weights[c.row] > 0]
+            self.metrics.merge(now_wall=time.time(), contributors=len(counted),
+                               staleness=[version - c.base_version for c in counted])  # fmt: skip
+            for c in counted:
                 isl = self._islands.get(c.island)
-                if isl is not None and weights[c.row] > 0:
+                if isl is not None:
                     isl.merged += 1
                     isl.tokens_merged += c.tokens
+                    isl.steps_merged += c.steps
             fs.last_merge = {
                 "version": version + 1,
                 "islands": sorted(c.island for c in contribs),
@@ -633,6 +703,23 @@ class Coordinator:
             decision.reason,
             sync,
         )
+
+    def _make_durable(self, fs: _FragmentState, version: int) -> None:
+        """Write the merged fragment (values + outer optimizer state) before it is served.
+
+        A version is acknowledged once an island can see it; with this, every
+        acknowledged merge survives a crash. A failed write stops the process
+        (fail-stop): the values in memory are ahead of the disk and must not be
+        served; a restart resumes from the last durable version.
+        """
+        try:
+            self.store.write_fragment(
+                fs.fragment.index, version, fs.values, fs.optimizer.state_dict()
+            )
+        except OSError as e:
+            log.critical("fragment %d v%d not durable: %s; stopping", fs.fragment.index, version, e)
+            os._exit(70)
+        fs.saved_version = version
 
     def _reserve(self, index: int, version: int) -> None:
         """Make ``version`` durable as reserved before anyone can see it.
@@ -682,7 +769,6 @@ class Coordinator:
     def status(self) -> dict:
         now = self.clock()
         with self._lock:
-            live_timeout = self.cfg.island_timeout_s
             return {
                 "versions": self.versions(),
                 "merges": [fs.merges for fs in self._frags],
@@ -691,7 +777,10 @@ class Coordinator:
                 "islands": {
                     k: {
                         "world_size": v.world_size,
-                        "live": now - v.last_seen <= live_timeout,
+                        "live": self._is_live(v, now),
+                        "left": v.left_at is not None,
+                        "registrations": v.registrations,
+                        "steps_merged": v.steps_merged,
                         "last_seen_s": round(now - v.last_seen, 3),
                         "last_step": v.last_step,
                         "step_time_s": v.step_time.value,
@@ -714,4 +803,20 @@ class Coordinator:
                 },
                 "xi_quorum_s": self._xi_quorum.value,
                 "xi_sync_s": self._xi_sync.value,
+                "run": self._run_metrics(),
             }
+
+    def _run_metrics(self) -> dict:
+        """Goodput, uptime and the merge counters (called with ``_lock`` held)."""
+        wall = time.time()
+        times = [
+            IslandTime(k, v.steps_merged, v.step_time.value, v.joined_at, v.left_at)
+            for k, v in self._islands.items()
+        ]
+        return {
+            "goodput": goodput(times, len(self._frags), wall),
+            "uptime": self.metrics.uptime(wall),
+            "by_quorum": dict(self.metrics.by_quorum),
+            "by_staleness": dict(self.metrics.by_staleness),
+            "uptime_window_s": self.metrics.window_s,
+        }

@@ -24,6 +24,7 @@ import torch
 
 from ds_diloco import zero
 from ds_diloco.client import CoordinatorClient
+from ds_diloco.compress import Codec
 from ds_diloco.config import IslandConfig
 from ds_diloco.data import BlockLoader, heldout_split, prepare_corpus, split_blocks
 from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
@@ -64,8 +65,8 @@ def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = heldout[rank::world][: micro_batch * batches]
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    for b in mine.split(micro_batch):
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
+    for b in mine.to(engine.device).split(micro_batch):
         total[0] += lm_loss(engine, b[:, :-1], b[:, 1:]).item() * len(b)
         total[1] += len(b)
     engine.train()
@@ -87,9 +88,31 @@ def _connect(cfg: IslandConfig, engine, rank: int, world: int) -> FragmentSyncer
     syncer = FragmentSyncer(
         client, cfg.island, plan, schedule, zero.ZeroShardAccess(engine),
         world_size=world, rank=rank, alpha=cfg.train.blend_alpha, agree=zero.island_min_max,
+        codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
     )  # fmt: skip
     syncer.bootstrap()
     return syncer
+
+
+class _FaultHook:
+    """Chaos testing: extra seconds per step, read from ``faults/slow[-rank<r>]`` if present.
+
+    ``ds-diloco chaos`` writes these files to slow an island (or one rank) down; a
+    missing file costs one ``stat`` per step.
+    """
+
+    def __init__(self, workdir: Path, rank: int):
+        self.paths = (workdir / "faults" / f"slow-rank{rank}", workdir / "faults" / "slow")
+
+    def wait(self) -> None:
+        for path in self.paths:
+            try:
+                delay = float(path.read_text() or 0)
+            except (OSError, ValueError):
+                continue
+            if delay > 0:
+                time.sleep(delay)
+            return
 
 
 class _NoSync:
@@ -106,6 +129,9 @@ class _NoSync:
     def close(self) -> None:
         pass
 
+    def leave(self) -> None:
+        pass
+
 
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
@@ -117,22 +143,34 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     warmup = (lambda s: min(1.0, (s + 1) / t.warmup_steps)) if t.warmup_steps else None
     ds_config = deepspeed_config(cfg, world)
     engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, warmup)
+    # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
+    # its last checkpoint, then takes the current global fragments like any island.
+    ckpt_dir = workdir / "checkpoints"
+    start_step, tokens = zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0)
     syncer = _NoSync() if plain else _connect(cfg, engine, rank, world)
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
 
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
     )
+    for _ in range(start_step):  # the batches the checkpointed steps took
+        next(loader)
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
-    sync_s, sync_max_s, step_s, tokens = 0.0, 0.0, 0.0, 0
+    if progress and start_step:
+        progress.write(json.dumps({"island": cfg.island, "resumed_at": start_step}) + "\n")
+    sync_s, sync_max_s, step_s = 0.0, 0.0, 0.0
     step_times = []  # whole steps, sync included: what the benchmark compares
+    slow = _FaultHook(workdir, rank)
     t_start = time.perf_counter()
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
-        input_ids, labels = next(loader)
+        slow.wait()
+        input_ids, labels = (x.to(engine.device) for x in next(loader))
         loss = lm_loss(engine, input_ids, labels)
         engine.backward(loss)
         engine.step()
+        if t.step_delay_s:
+            time.sleep(t.step_delay_s)
         t1 = time.perf_counter()
         island_tokens = input_ids.numel() * world  # fixed-size blocks: the same on every rank
         tokens += island_tokens
@@ -153,14 +191,19 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if record and progress:
             progress.write(json.dumps(record) + "\n")
             progress.flush()
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+            zero.save_checkpoint(engine, ckpt_dir, step, {"step": step, "tokens": tokens})
     wall = time.perf_counter() - t_start
     syncer.close()
+    if not plain and rank == 0:  # done for good: no quorum should count on this island now
+        syncer.leave()
     end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
     summary = {
         "island": cfg.island,
         "rank": rank,
         "world_size": world,
         "steps": t.steps,
+        "start_step": start_step,
         "tokens": tokens,
         "wall_s": round(wall, 2),
         "train_s": round(step_s, 3),
@@ -170,6 +213,11 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "step_s_median": statistics.median(step_times),
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_gpu_mb": (
+            round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            if engine.device.type == "cuda"
+            else None
+        ),
         "shard_fp32_mb": round(
             sum(4 * shard_numel(p.ds_numel, world, rank) for p in engine.module.parameters())
             / 2**20,

@@ -35,6 +35,7 @@ from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig
 
 PROGRESS_EVERY_S = 5.0
+MAX_BACKOFF_S = 30.0
 
 
 def free_port() -> int:
@@ -69,6 +70,16 @@ class LocalRun:
         self.coordinator: subprocess.Popen | None = None
         self.islands: dict[str, subprocess.Popen] = {}
         self.url = ""
+        # Supervision (see supervise): how to start each island again, restarts, what happened.
+        self._island_args: dict[str, tuple] = {}
+        self.restarts: dict[str, int] = {}
+        self._restart_at: dict[str, float] = {}
+        self.given_up: set[str] = set()
+        self.coordinator_restarts = 0
+        self.coordinator_hold_until = 0.0  # chaos: keep a killed coordinator down until then
+        self.events: list[dict] = []
+        self._t0 = time.monotonic()
+        self._stopping = False
 
     # ------------------------------------------------------------ processes
     def start_coordinator(self) -> CoordinatorClient:
@@ -121,15 +132,68 @@ class LocalRun:
         cmd += ["--include", spec.include] if spec.include else ["--num_gpus", str(spec.world_size)]
         cmd += ["--module", "ds_diloco.cli", "island", *(["--plain"] if plain else [])]
         cmd += ["--config", str(d / "island.json")]
-        with (d / "log.txt").open("w") as log:
+        with (d / "log.txt").open("a") as log:  # restarts append to the same log
             proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.islands[spec.name] = proc
+        self._island_args[spec.name] = (spec, shard, num_shards, plain)
         return proc
+
+    # ----------------------------------------------------------- supervision
+    def event(self, what: str, **info) -> None:
+        self.events.append({"t": round(time.monotonic() - self._t0, 2), "event": what, **info})
+        print(f"[supervisor] {what} {info or ''}".rstrip(), flush=True)
+
+    def supervise(self) -> None:
+        """Restart what died: an island whose launcher exited non-zero (a ZeRO-3 island cannot
+        go on without a rank), after a bounded backoff, and a coordinator that exited."""
+        now = time.monotonic()
+        for name, proc in list(self.islands.items()):
+            if name in self._restart_at:
+                if now >= self._restart_at[name]:
+                    del self._restart_at[name]
+                    self.start_island(*self._island_args[name])
+                    self.event("island restarted", island=name, restart=self.restarts[name])
+                continue
+            rc = proc.poll()
+            if rc is None or rc == 0 or name in self.given_up:
+                continue
+            with contextlib.suppress(ProcessLookupError):  # ranks the launcher left behind
+                os.killpg(proc.pid, signal.SIGKILL)
+            n = self.restarts.get(name, 0)
+            if n >= self.cfg.max_restarts:
+                self.given_up.add(name)
+                self.event("island given up", island=name, exit=rc, restarts=n)
+                continue
+            self.restarts[name] = n + 1
+            delay = min(self.cfg.restart_backoff_s * 2**n, MAX_BACKOFF_S)
+            self._restart_at[name] = now + delay
+            self.event("island died", island=name, exit=rc, restart_in_s=delay)
+        c = self.coordinator
+        down = c is not None and c.poll() is not None and not self._stopping
+        if down and now >= self.coordinator_hold_until:
+            self.event("coordinator died", exit=c.returncode)
+            self.coordinator_restarts += 1
+            self.start_coordinator()
+            self.event("coordinator restarted", restart=self.coordinator_restarts)
+
+    def finished(self) -> bool:
+        """Every island exited cleanly or was given up, and none waits for a restart."""
+        if self._restart_at:
+            return False
+        return all(
+            p.poll() is not None and (p.returncode == 0 or n in self.given_up)
+            for n, p in self.islands.items()
+        )
+
+    def failed_islands(self) -> dict[str, int]:
+        return {n: self.islands[n].returncode for n in sorted(self.given_up)}
 
     def stop(self) -> None:
         """Islands first (their process groups), then the coordinator, which saves."""
+        self._stopping = True
+        self._restart_at.clear()
         for p in self.islands.values():
             _signal_group(p, signal.SIGTERM)
         for p in self.islands.values():
@@ -167,6 +231,41 @@ class LocalRun:
         except Exception as e:  # the coordinator may be restarting
             coord = f"coordinator unreachable ({type(e).__name__})"
         return f"[{' | '.join(cells) or 'starting'}]  {coord}"
+
+
+def _status_or_none(client: CoordinatorClient) -> dict | None:
+    try:
+        return client.status()
+    except Exception:  # restarting: the next round has it
+        return None
+
+
+class Board:
+    """TensorBoard scalars of a run: each island's loss and tokens, goodput and uptime."""
+
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+        self.t0 = time.monotonic()
+
+    def write(self, records: dict[str, dict], status: dict | None) -> None:
+        t = time.monotonic() - self.t0
+        for name, r in records.items():
+            if "loss" in r and "step" in r:
+                self.writer.add_scalar(f"loss/{name}", r["loss"], r["step"], walltime=time.time())
+            if "heldout_loss" in r:
+                self.writer.add_scalar(f"heldout_loss/{name}", r["heldout_loss"], r["step"])
+        if status:
+            step = int(t)
+            for key in ("goodput", "uptime"):
+                if status["run"].get(key) is not None:
+                    self.writer.add_scalar(f"run/{key}", status["run"][key], step)
+            self.writer.add_scalar("run/merges", sum(status["merges"]), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _signal_group(p: subprocess.Popen, sig) -> None:
@@ -220,7 +319,7 @@ def run(cfg: RunConfig) -> int:
     _, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     heldout = heldout[:64]
     t0 = time.monotonic()
-    code = 0
+    code, final_status = 0, None
     try:
         client = lr.start_coordinator()
         print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
@@ -228,13 +327,19 @@ def run(cfg: RunConfig) -> int:
         sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
         print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
         next_print = time.monotonic()
-        while any(p.poll() is None for p in lr.islands.values()):
+        board = Board(lr.workdir / "tensorboard")
+        while not lr.finished():
+            lr.supervise()
             if time.monotonic() >= next_print:
                 print(lr.progress_line(client), flush=True)
+                board.write(lr.island_records(), _status_or_none(client))
                 next_print += PROGRESS_EVERY_S
             time.sleep(0.2)
         print(lr.progress_line(client), flush=True)
-        failed = {n: p.returncode for n, p in lr.islands.items() if p.returncode != 0}
+        final_status = _status_or_none(client)
+        board.write(lr.island_records(), final_status)
+        board.close()
+        failed = lr.failed_islands()
         if failed:
             print(f"islands failed: {failed} (see their log.txt)", flush=True)
             code = 1
@@ -244,7 +349,12 @@ def run(cfg: RunConfig) -> int:
     finally:
         lr.stop()
     wall = time.monotonic() - t0
-    summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code}
+    summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
+               "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts}  # fmt: skip
+    if code != 130 and final_status is not None:
+        summary["goodput"] = final_status["run"]["goodput"]
+        summary["uptime"] = final_status["run"]["uptime"]
+        summary["coordinator"] = final_status
     for spec in cfg.islands:
         path = lr.workdir / "islands" / spec.name / "summary-rank0.json"
         if path.exists():

@@ -21,6 +21,7 @@ from aiohttp import web
 from ds_diloco import wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
+from ds_diloco.metrics import prometheus_text
 
 log = logging.getLogger(__name__)
 VERSION_HEADER = wire.VERSION_HEADER
@@ -48,11 +49,13 @@ class CoordinatorServer:
         self.app.add_routes(
             [
                 web.get("/healthz", self.health),
+                web.get("/metrics", self.metrics),
                 web.get("/v1/status", self.status),
                 web.get("/v1/plan", self.plan),
                 web.get("/v1/versions", self.versions),
                 web.get("/v1/model-config", self.model_config),
                 web.post("/v1/islands", self.register),
+                web.delete("/v1/islands/{island}", self.leave),
                 web.post("/v1/upload", self.upload),
                 web.get("/v1/fragments/{fragment}", self.download),
             ]
@@ -94,6 +97,15 @@ class CoordinatorServer:
 
     async def status(self, request):
         return web.json_response(await self._run(self.coord.status))
+
+    async def metrics(self, request):
+        """Prometheus text format (unauthenticated, like /healthz: scrape it from inside)."""
+        text = prometheus_text(await self._run(self.coord.status))
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Format": "prometheus-0.0.4"})  # fmt: skip
+
+    async def leave(self, request):
+        return web.json_response(await self._run(self.coord.leave, request.match_info["island"]))
 
     async def plan(self, request):
         return web.json_response(self.coord.plan_info())

@@ -16,6 +16,7 @@ How a rank reads and writes its slices is a :class:`ShardAccess`; the island
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -26,13 +27,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ds_diloco import wire
+from ds_diloco import compress, wire
 from ds_diloco.client import CoordinatorClient, RefusedError
 from ds_diloco.fragments import Fragment, FragmentPlan, Schedule
 from ds_diloco.sharding import shard_numel, shard_range
 
 log = logging.getLogger(__name__)
 _NEVER = 2**62  # a version no fragment reaches: "not waiting for this one"
+HEARTBEAT_S = 2.0  # longest silence towards the coordinator: its lease (island_timeout_s) is longer
 
 
 class ShardAccess(Protocol):
@@ -100,6 +102,7 @@ class SyncStats:
     superseded: int = 0  # unsent uploads replaced by a newer one of the same fragment
     skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
+    bytes_sent: int = 0  # upload bodies the coordinator answered (payload, scales, header)
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap: must stay 0
     )
@@ -120,6 +123,7 @@ class FragmentSyncer:
         poll_s: float = 0.05,
         long_poll_s: float = 2.0,
         agree=None,
+        codec: compress.Codec | None = None,
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
@@ -128,6 +132,10 @@ class FragmentSyncer:
         self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
         # agree(values) -> (mins, maxs) over the island's ranks; one rank needs none.
         self.agree = agree or (lambda values: (values, values))
+        # Compressed uploads keep a quantisation residual per (fragment, tensor) of this
+        # rank: one more fp32 copy of the shard in all, allocated as fragments are sent.
+        lossy = codec is not None and codec.name != "none"
+        self.feedback = compress.ErrorFeedback(codec, seed=rank) if lossy else None
         self.slots = [_Slot(base) for base in self._base_views()]
         self.stats = SyncStats()
         self._lock = threading.Lock()  # slot state (not base memory: that is slot.lock)
@@ -248,7 +256,8 @@ class FragmentSyncer:
             if not usable:
                 self.stats.skipped += 1
                 return
-            delta = {n: slot.base[n] - self.access.read(n) for n in frag.names}
+            # On the host whatever device the shard lives on (the base copy is host memory).
+            delta = {n: slot.base[n] - self.access.read(n).cpu() for n in frag.names}
         finally:
             slot.lock.release()
         header = wire.UploadHeader(
@@ -359,11 +368,17 @@ class FragmentSyncer:
             return out
 
     def _downloader(self) -> None:
+        last_contact = time.monotonic()
         while not self._stop.is_set():
             wanted = self._wanted()
             if all(w is None for w in wanted):
-                time.sleep(self.poll_s)
+                if time.monotonic() - last_contact >= HEARTBEAT_S:  # keep the lease alive
+                    with contextlib.suppress(Exception):
+                        self.client.versions(self.island)
+                    last_contact = time.monotonic()
+                self._stop.wait(self.poll_s)
                 continue
+            last_contact = time.monotonic()
             # Only fragments we wait for may end the long poll: another island's merge of
             # a fragment we are not waiting for must not wake us (that would spin).
             known = [_NEVER if w is None else w for w in wanted]
@@ -384,10 +399,29 @@ class FragmentSyncer:
 
     def _upload(self, header: wire.UploadHeader, delta) -> None:
         self._count_network_call()
+        ef, keys = self.feedback, [(header.fragment, n) for n in delta]
+        if ef is None:
+            body = wire.upload_parts(header, delta)
+        else:
+            # Compressed here, off the training thread, and only what is really sent (a
+            # superseded pending upload never touches the residuals). Error feedback: each
+            # slice's residual from the fragment's previous upload is added to this one.
+            try:
+                enc = {n: ef.compress(k, delta[n]) for k, n in zip(keys, delta)}
+            except ValueError as e:  # NaN or Inf in the pseudo-gradient: nothing to send
+                for k in keys:
+                    ef.reset(k)
+                self.stats.refused += 1
+                log.warning("%s/%d upload not sent: %s", self.island, self.rank, e)
+                return
+            body = wire.upload_parts(header, *compress.to_wire(enc))
+        accepted = False
         try:
-            reply = self.client.upload(header, delta)
+            reply = self.client.upload_body(body)
             self.stats.uploads += 1
-            if reply["status"] != "accepted":
+            self.stats.bytes_sent += len(body)
+            accepted = reply["status"] == "accepted"
+            if not accepted:
                 self.stats.dropped += 1
                 log.info(
                     "%s/%d fragment %d step %d: %s",
@@ -403,6 +437,19 @@ class FragmentSyncer:
         except Exception as e:  # coordinator unreachable: keep training, try again next time
             self.stats.failed += 1
             log.warning("%s/%d upload failed: %s", self.island, self.rank, e)
+        if ef is not None and not accepted:
+            # The residuals took this upload's rounding as delivered; it was not taken, and
+            # the fragment's next pseudo-gradient carries its progress again: forget them
+            # (at most one rounding error per value is lost, none is counted twice).
+            for k in keys:
+                ef.reset(k)
+
+    def leave(self) -> None:
+        """Tell the coordinator this island is done for good (best effort)."""
+        try:
+            self.client.leave(self.island)
+        except Exception as e:
+            log.warning("%s/%d could not leave the run: %s", self.island, self.rank, e)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued uploads, then stop the background thread."""

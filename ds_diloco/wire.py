@@ -310,14 +310,35 @@ def encode_upload(header: UploadHeader, slices: Mapping[str, torch.Tensor]) -> b
     return encode(slices, _header_to_meta(header))
 
 
-def upload_parts(header: UploadHeader, slices: Mapping[str, torch.Tensor]) -> Body:
-    """An upload as parts aliasing ``slices``: what the client streams."""
-    return encode_parts(slices, _header_to_meta(header))
+def upload_parts(
+    header: UploadHeader,
+    slices: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> Body:
+    """An upload as parts aliasing ``slices``: what the client streams.
+
+    ``metadata``: more entries beside the header's, e.g. how compressed slices are
+    encoded (``compress.to_wire``); a key that is a header field is refused.
+    """
+    meta = _header_to_meta(header)
+    clash = sorted(set(meta) & set(metadata or {}))
+    if clash:
+        raise WireError(f"metadata keys {clash} are upload header fields")
+    return encode_parts(slices, {**(metadata or {}), **meta})
 
 
 def decode_upload(body: bytes) -> tuple[UploadHeader, dict[str, torch.Tensor]]:
+    header, tensors, _ = decode_upload_with_metadata(body)
+    return header, tensors
+
+
+def decode_upload_with_metadata(
+    body: bytes,
+) -> tuple[UploadHeader, dict[str, torch.Tensor], dict[str, str]]:
+    """Like :func:`decode_upload`, plus the whole metadata (compressed slices describe
+    themselves there: ``compress.from_wire``)."""
     meta, tensors = decode(body)
-    return _meta_to_header(UploadHeader, meta), tensors
+    return _meta_to_header(UploadHeader, meta), tensors, meta
 
 
 def encode_fragment(header: FragmentHeader, slices: Mapping[str, torch.Tensor]) -> bytes:

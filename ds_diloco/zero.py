@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -121,9 +123,32 @@ class ZeroShardAccess:
             self._dirty = False
 
 
+def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep: int = 2) -> None:
+    """A ZeRO-3 checkpoint of every rank's partitions (a collective); keeps the last ``keep``."""
+    engine.save_checkpoint(str(directory), tag=f"step{step}", client_state=client_state)
+    if torch.distributed.get_rank() == 0:
+        tags = sorted(
+            (p for p in directory.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:])
+        )
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
+    """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens)."""
+    if not (directory / "latest").exists():
+        return 0, 0
+    path, client_state = engine.load_checkpoint(str(directory))
+    if path is None:
+        raise RuntimeError(f"could not load the checkpoint named in {directory / 'latest'}")
+    return int(client_state["step"]), int(client_state["tokens"])
+
+
 def island_min_max(values: list[int]) -> tuple[list[int], list[int]]:
     """Element-wise min and max of ``values`` over the island's ranks (one small collective)."""
-    t = torch.tensor(values, dtype=torch.int64)
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces GPU tensors only
+    t = torch.tensor(values, dtype=torch.int64, device="cuda" if nccl else "cpu")
     both = torch.cat([-t, t])  # max of -x is -min: one all-reduce gives both
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
     n = len(values)

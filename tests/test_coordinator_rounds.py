@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import requests
 import torch
 
 from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
-from ds_diloco.coordinator import Coordinator
+from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 
@@ -143,6 +144,77 @@ def test_dead_island_stops_holding_the_quorum(tiny_config_path, tmp_path):
     assert coord.status()["islands"]["c"]["live"] is False
 
 
+def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=3, grace_gamma=0.0, tau=1), island_timeout_s=1000.0,
+    )  # fmt: skip
+    for island in ("a", "b", "c"):
+        coord.register(island, 1, coord.plan.signature)
+    send(coord, "a", 0, step=2)
+    send(coord, "b", 0, step=2)
+    assert not coord.poll(0).merge  # K=3: waits for "c", whose lease is long
+    coord.leave("c")  # done for good: at once, no lease to run out
+    d = coord.poll(0)
+    assert d.merge and "all 2 live islands in" in d.reason
+    with pytest.raises(CoordinatorError, match="left the run") as e:
+        send(coord, "c", 1, step=2)
+    assert e.value.status == 410
+    st = coord.status()["islands"]["c"]
+    assert st["live"] is False and st["left"] is True
+    coord.register("c", 1, coord.plan.signature)  # an island may join again (elastic)
+    assert send(coord, "c", 1, step=2)["status"] == "accepted"
+    assert coord.status()["islands"]["c"]["registrations"] == 2
+
+
+def test_a_stalled_islands_late_contribution_follows_the_staleness_policy(
+    tiny_config_path, tmp_path
+):
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1), island_timeout_s=10.0,
+    )  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    base = coord.versions()[0]
+    send(coord, "a", 0, step=2)
+    clock.now += 11.0  # "b" stalls (SIGSTOP): its lease runs out, the round closes without it
+    assert coord.poll(0).merge and coord.versions()[0] == base + 1
+    frag = coord.plan.fragments[0]  # "b" wakes up and sends against the old version
+    header = wire.UploadHeader(island="b", rank=0, world_size=1, fragment=0, base_version=base,
+                               step=2, tokens=100, steps=2)  # fmt: skip
+    full = {p.name: torch.ones(p.shape) for p in frag.params}
+    reply = coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
+    assert reply["status"] == "dropped" and "stale" in reply["reason"]
+    assert coord.status()["islands"]["b"]["live"] is True  # heard from again
+
+
+def test_goodput_counts_merged_steps_and_uptime_counts_windows_with_a_merge(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    import ds_diloco.coordinator as coordinator_mod
+
+    wall = Clock()  # goodput and uptime use wall time, which survives restarts
+    monkeypatch.setattr(coordinator_mod.time, "time", wall)
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock, uptime_window_s=10.0,
+                 policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))  # fmt: skip
+    coord.register("a", 1, coord.plan.signature)
+    for step in (2, 4, 6):  # one upload every 2 s of 1 s steps... step time = 1 s
+        clock.now += 2.0
+        wall.now += 2.0
+        send(coord, "a", step % 4 // 2, step=step, steps=2)
+        assert coord.poll(step % 4 // 2).merge
+    run = coord.status()["run"]
+    # Merged: 3 contributions x 2 steps over P = 2 fragments = 3 steps of 1 s, in 6 s.
+    assert run["goodput"] == pytest.approx(3 * 1.0 / 6.0)
+    assert run["uptime"] == 1.0 and run["by_quorum"] == {1: 3}
+    wall.now += 25.0  # two whole windows without a merge, a third one under way
+    assert coord.status()["run"]["uptime"] == pytest.approx(1 / 3)
+
+
 def test_newer_step_replaces_an_islands_waiting_contribution(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=2, tau=1))
@@ -159,7 +231,8 @@ def test_newer_step_replaces_an_islands_waiting_contribution(tiny_config_path, t
 
 def test_crash_without_save_never_reuses_a_served_version(tiny_config_path, tmp_path):
     clock = Clock()
-    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=100)
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=100,
+              durable_merges=False)  # fmt: skip
     coord = make(tiny_config_path, tmp_path / "s", clock, **kw)
     coord.register("a", 1, coord.plan.signature)
     initial = coord.global_tensors()
@@ -174,6 +247,29 @@ def test_crash_without_save_never_reuses_a_served_version(tiny_config_path, tmp_
     # The merge was not durable yet, so the values are the last saved ones.
     assert all(torch.equal(got[n], initial[n]) for n in got)
     assert any(not torch.equal(served[n], initial[n]) for n in served)
+
+
+def test_with_durable_merges_a_crash_loses_no_served_merge(tiny_config_path, tmp_path):
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=100)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 1, coord.plan.signature)
+    for step in (2, 4):
+        send(coord, "a", 0, step=step, scale=1e-3 * step)
+        assert coord.poll(0).merge
+    assert coord.versions() == [2, 0]
+    served = coord.global_tensors()
+    # SIGKILL right after the merge (no save): a new process on the same state directory
+    # comes back at exactly the served version and values, outer momentum included.
+    again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    assert again.versions() == [2, 0]
+    got = again.global_tensors()
+    assert all(torch.equal(got[n], served[n]) for n in served)
+    for c in (coord, again):
+        c.register("a", 1, c.plan.signature)
+        send(c, "a", 0, step=6, scale=5e-3)
+        assert c.poll(0).merge
+    a, b = coord.global_tensors(), again.global_tensors()
+    assert all(torch.equal(a[n], b[n]) for n in a), "the outer momentum must survive the crash"
 
 
 def test_requests_are_served_while_a_fragment_is_being_written(tiny_config_path, tmp_path):
@@ -199,7 +295,8 @@ def test_requests_are_served_while_a_fragment_is_being_written(tiny_config_path,
 
 
 def test_versions_stay_above_every_served_one_across_reservation_blocks(tiny_config_path, tmp_path):
-    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=1000)
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), save_every_merges=1000,
+              durable_merges=False)  # fmt: skip
     coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
     coord.register("a", 1, coord.plan.signature)
     for step in range(2, 2 * 40 + 1, 2):  # 40 merges of fragment 0: several reservation blocks
