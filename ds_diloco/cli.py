@@ -45,6 +45,12 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+def _chaos(args) -> int:
+    from ds_diloco.chaos.harness import main as chaos_main
+
+    return chaos_main(args)
+
+
 def _export(args) -> int:
     from ds_diloco.export import export
     from ds_diloco.hub import push_folder, resolve_token
@@ -100,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="a whole run on this machine: coordinator + islands")
     r.add_argument("file", help="YAML/JSON run file (see launch/demo.yaml)")
     r.set_defaults(fn=_run)
+
+    ch = sub.add_parser("chaos", help="a whole local run under injected faults, with a report")
+    ch.add_argument("file", help="YAML/JSON run file (see launch/chaos.yaml)")
+    how = ch.add_mutually_exclusive_group()
+    how.add_argument("--seed", type=int, default=0, help="draw the fault schedule from a seed")
+    how.add_argument("--schedule", metavar="FILE", help="replay a fault schedule file")
+    ch.add_argument("--duration", type=float, default=120.0, help="seeded schedule length, s")
+    ch.add_argument("--rate", type=float, default=2.0, help="seeded faults per minute")
+    ch.add_argument("--workdir", default=None, help="default: the run's workdir + '-chaos'")
+    ch.add_argument("--no-reference", action="store_true", help="skip the run without faults")
+    ch.add_argument("--no-baseline", action="store_true",
+                    help="skip synchronous ZeRO-3 data-parallel under the same schedule")  # fmt: skip
+    ch.add_argument("--json", metavar="PATH", default=None, help="also write the report")
+    ch.set_defaults(fn=_chaos)
 
     e = sub.add_parser("export", help="write the global model as a Hugging Face folder")
     e.add_argument(

@@ -197,6 +197,7 @@ class Coordinator:
         self._xi_sync = Ema()
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
+        self._table_lock = threading.Lock()
         self.metrics = RunMetrics(cfg.uptime_window_s)
         if self.store.exists():
             self._load()
@@ -279,6 +280,21 @@ class Coordinator:
                     written += 1
             finally:
                 fs.lock.release_read()
+        self._save_table()
+        if final:
+            with self._versions_lock:
+                self._reserved = self.versions()
+                self.store.write_json(
+                    "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
+                )
+        return written
+
+    def _save_table(self) -> None:
+        """coordinator.json: plan, islands, merge counts, EMAs, metrics."""
+        with self._table_lock:  # snapshots land in the order they were taken
+            self._write_table()
+
+    def _write_table(self) -> None:
         with self._lock:
             state = {
                 "format": STATE_FORMAT,
@@ -293,13 +309,6 @@ class Coordinator:
             }
             self._merges_since_save = 0
         self.store.write_json("coordinator.json", state)
-        if final:
-            with self._versions_lock:
-                self._reserved = self.versions()
-                self.store.write_json(
-                    "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
-                )
-        return written
 
     # ------------------------------------------------------------------ islands
     def register(self, island: str, world_size: int, signature: str) -> dict:
@@ -331,6 +340,7 @@ class Coordinator:
                 isl.uploads.clear()
                 isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
             self._drop_pending(island)
+        self._save_table()  # a registration is durable before it is acknowledged
         return {"island": island, "world_size": world_size, **self.plan_info()}
 
     def leave(self, island: str) -> dict:
@@ -341,6 +351,7 @@ class Coordinator:
                 raise CoordinatorError(404, f"unknown island {island!r}")
             isl.left_at = time.time()
             self._drop_pending(island)
+        self._save_table()
         log.info("island %s left the run", island)
         return {"island": island, "left": True}
 

@@ -156,8 +156,11 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     for _ in range(start_step):  # the batches the checkpointed steps took
         next(loader)
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
-    if progress and start_step:
-        progress.write(json.dumps({"island": cfg.island, "resumed_at": start_step}) + "\n")
+    if progress:  # when this launch's training began (goodput: allocated time), and where
+        started = {"island": cfg.island, "step": start_step, "tokens": tokens,
+                   "started_at": time.time(), "resumed": start_step > 0}  # fmt: skip
+        progress.write(json.dumps(started) + "\n")
+        progress.flush()
     sync_s, sync_max_s, step_s = 0.0, 0.0, 0.0
     step_times = []  # whole steps, sync included: what the benchmark compares
     slow = _FaultHook(workdir, rank)
@@ -223,6 +226,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             / 2**20,
             3,
         ),
+        "finished_at": time.time(),
         "heldout_loss_start": start_loss,
         "heldout_loss_end": end_loss,
         "stats": vars(syncer.stats) if syncer.stats else None,

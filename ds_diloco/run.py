@@ -78,6 +78,7 @@ class LocalRun:
         self.coordinator_restarts = 0
         self.coordinator_hold_until = 0.0  # chaos: keep a killed coordinator down until then
         self.events: list[dict] = []
+        self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
         self._t0 = time.monotonic()
         self._stopping = False
 
@@ -121,7 +122,8 @@ class LocalRun:
         d = self.workdir / "islands" / spec.name
         d.mkdir(parents=True, exist_ok=True)
         icfg = IslandConfig(
-            island=spec.name, coordinator_url=self.url or "http://127.0.0.1:9",
+            island=spec.name,
+            coordinator_url=self.island_urls.get(spec.name, self.url or "http://127.0.0.1:9"),
             model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
             data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
             workdir=str(d),
@@ -139,6 +141,28 @@ class LocalRun:
         self.islands[spec.name] = proc
         self._island_args[spec.name] = (spec, shard, num_shards, plain)
         return proc
+
+    def island_dir(self, name: str) -> Path:
+        return self.workdir / "islands" / name
+
+    def rank_pids(self, name: str) -> dict[int, int]:
+        """The live rank processes of an island's current launch, by rank."""
+        import psutil
+
+        out = {}
+        try:
+            procs = psutil.Process(self.islands[name].pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return out
+        for p in procs:
+            try:
+                cmd = p.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            for arg in cmd:
+                if arg.startswith("--local_rank="):
+                    out[int(arg.split("=", 1)[1])] = p.pid
+        return out
 
     # ----------------------------------------------------------- supervision
     def event(self, what: str, **info) -> None:

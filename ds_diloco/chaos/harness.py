@@ -1,0 +1,408 @@
+"""``ds-diloco chaos RUNFILE``: a whole local run under scripted faults, and its report.
+
+The same workload (the run file) runs up to three times on this machine:
+
+1. ``reference``: Decoupled DiLoCo without faults (``--no-reference`` skips it);
+2. ``chaos``: Decoupled DiLoCo under the schedule. Every island reaches the
+   coordinator through its own :class:`ChaosProxy` (network delay and drops),
+   ranks are SIGKILLed / SIGSTOPped through their pids, slow-downs go through the
+   island's fault files, and the coordinator is SIGKILLed and held down. The
+   run's supervisor (``LocalRun.supervise``) restarts what died. A watcher polls
+   the coordinator throughout and checks that no version goes backwards and that
+   no served (acknowledged) version ever comes back with other values;
+3. ``baseline``: what a user would otherwise run, one synchronous DeepSpeed ZeRO-3
+   data-parallel job over the same ranks (the island loop in plain mode), which
+   checkpoints every ``train.checkpoint_every`` steps and restarts from its last
+   checkpoint on any failure, under the same schedule mapped onto its ranks
+   (island events hit that island's ranks; network and coordinator events do not
+   apply). ``--no-baseline`` skips it.
+
+Goodput is the share of allocated island time spent on steps that ended up in
+the model (``ds_diloco.metrics``); for the baseline: steps x median step time
+over the time from its first training step to its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from ds_diloco.chaos.proxy import ChaosProxy
+from ds_diloco.chaos.schedule import Injector, Schedule
+from ds_diloco.client import CoordinatorClient
+from ds_diloco.config import IslandSpec, RunConfig
+from ds_diloco.run import PROGRESS_EVERY_S, LocalRun, evaluate
+
+DEFAULT_CHECKPOINT_EVERY = 20
+
+
+class RunTarget:
+    """The injector's hands on a :class:`LocalRun`: pids, fault files, proxies.
+
+    ``rank_map`` maps (island, rank) of the schedule to (job, rank) of the run: the
+    identity for Decoupled DiLoCo, the data-parallel job's ranks for the baseline.
+    """
+
+    def __init__(self, lr: LocalRun, proxies: dict[str, ChaosProxy], sizes: dict[str, int],
+                 rank_map=None):  # fmt: skip
+        self.lr, self.proxies, self.sizes = lr, proxies, sizes  # sizes: the schedule's islands
+        self.rank_map = rank_map or (lambda island, rank: (island, rank))
+
+    def _ranks(self, island: str) -> list[tuple[str, int]]:
+        return [self.rank_map(island, r) for r in range(self.sizes[island])]
+
+    def _signal(self, island: str, sig, ranks=None) -> None:
+        for job, rank in ranks or self._ranks(island):
+            pid = self.lr.rank_pids(job).get(rank)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def kill_rank(self, island: str, rank: int) -> None:
+        self._signal(island, signal.SIGKILL, [self.rank_map(island, rank)])
+
+    def stop_island(self, island: str) -> None:
+        self._signal(island, signal.SIGSTOP)
+
+    def cont_island(self, island: str) -> None:
+        self._signal(island, signal.SIGCONT)
+
+    def set_slow(self, island: str, extra_s: float) -> None:
+        for job, rank in self._ranks(island):
+            d = self.lr.island_dir(job) / "faults"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"slow-rank{rank}").write_text(f"{extra_s:g}" if extra_s > 0 else "0")
+
+    def set_net(self, island: str, delay_s: float = 0.0, drop: bool = False) -> None:
+        if island in self.proxies:
+            self.proxies[island].set(delay_s=delay_s, drop=drop)
+
+    def kill_coordinator(self) -> None:
+        c = self.lr.coordinator
+        if c is None:  # the baseline has none
+            return
+        self.lr.coordinator_hold_until = math.inf  # the supervisor waits for restart_coordinator
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.pid, signal.SIGKILL)
+
+    def restart_coordinator(self) -> None:
+        self.lr.coordinator_hold_until = 0.0
+
+
+class Watcher:
+    """Polls the coordinator: versions never go backwards, a served version never changes."""
+
+    def __init__(self, url: str, token: str, every_s: float = 0.25):
+        self.client = CoordinatorClient(url, token, retries=0, timeout_s=5)
+        self.every_s = every_s
+        self.max_seen: list[int] | None = None
+        self.backwards: list[dict] = []
+        self.hashes: dict[tuple[int, int], str] = {}
+        self.changed: list[dict] = []  # a served (fragment, version) seen again with other values
+        self.advances: list[tuple[float, int]] = []  # (time, fragment) of every version seen
+        self.samples: list[dict] = []  # (time, islands' registrations and merges)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-watcher", daemon=True)
+        self.t0 = time.monotonic()
+
+    def start(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        last_status = 0.0
+        while not self._stop.wait(self.every_s):
+            try:
+                self.poll()
+                if time.monotonic() - last_status >= 1.0:
+                    st = self.client.status()
+                    self.samples.append({"t": time.monotonic() - self.t0, "islands": {
+                        k: {"registrations": v["registrations"], "merged": v["merged"],
+                            "live": v["live"]} for k, v in st["islands"].items()}})  # fmt: skip
+                    last_status = time.monotonic()
+            except Exception:  # the coordinator is down or restarting
+                continue
+
+    def poll(self) -> None:
+        versions = self.client.versions()
+        now = time.monotonic() - self.t0
+        if self.max_seen is None:
+            self.max_seen = [-1] * len(versions)
+        for f, v in enumerate(versions):
+            if v < self.max_seen[f]:
+                self.backwards.append({"t": now, "fragment": f, "was": self.max_seen[f], "now": v})
+            if v > self.max_seen[f]:
+                if self.max_seen[f] >= 0:
+                    self.advances.append((now, f))
+                self.max_seen[f] = v
+            self._check_values(f)
+
+    def _check_values(self, f: int) -> None:
+        got = self.client.download(f, 1, 0)
+        if got is None:
+            return
+        version, slices = got
+        h = hashlib.sha256()
+        for name in sorted(slices):
+            h.update(slices[name].numpy().tobytes())
+        digest = h.hexdigest()
+        old = self.hashes.setdefault((f, version), digest)
+        if old != digest:
+            self.changed.append({"fragment": f, "version": version})
+
+    def report(self) -> dict:
+        return {
+            "versions_went_backwards": self.backwards,
+            "served_versions_changed": self.changed,
+            "served_versions_checked": len(self.hashes),
+        }
+
+
+def _wait_status(client: CoordinatorClient, timeout_s: float = 120.0) -> dict | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return client.status()
+        except Exception:
+            time.sleep(0.5)
+    return None
+
+
+def _until_training(lr: LocalRun, timeout_s: float = 600.0) -> None:
+    """Wait until every island trains: schedule times count from there, not from start-up."""
+    deadline = time.monotonic() + timeout_s
+    while len(lr.island_records()) < len(lr.islands):
+        lr.supervise()
+        if time.monotonic() > deadline or lr.finished():
+            raise RuntimeError(
+                f"islands did not start training: see {lr.workdir}/islands/*/log.txt"
+            )
+        time.sleep(0.2)
+
+
+def _supervise(lr: LocalRun, label: str, client: CoordinatorClient | None) -> None:
+    next_print = time.monotonic()
+    while not lr.finished():
+        lr.supervise()
+        if time.monotonic() >= next_print:
+            line = lr.progress_line(client) if client else _progress(lr)
+            print(f"[{label}] {line}", flush=True)
+            next_print += PROGRESS_EVERY_S
+        time.sleep(0.2)
+
+
+def _progress(lr: LocalRun) -> str:
+    return " | ".join(f"{n}: step {r.get('step')}" for n, r in sorted(lr.island_records().items()))
+
+
+def _with_workdir(cfg: RunConfig, workdir: Path, **train) -> RunConfig:
+    coord = dataclasses.replace(cfg.coordinator, state_dir=str(workdir / "state"))
+    return dataclasses.replace(cfg, workdir=str(workdir), coordinator=coord, export=True,
+                               train=dataclasses.replace(cfg.train, **train))  # fmt: skip
+
+
+def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout) -> dict:
+    """One Decoupled DiLoCo run, under ``schedule`` if given; its figures."""
+    from ds_diloco.data import tokenizer_dir
+    from ds_diloco.export import export_model, load_global_tensors
+
+    label = "chaos" if schedule else "reference"
+    cfg = _with_workdir(cfg, workdir, checkpoint_every=cfg.train.checkpoint_every
+                        or DEFAULT_CHECKPOINT_EVERY)  # fmt: skip
+    lr = LocalRun(cfg)
+    t0 = time.monotonic()
+    client = lr.start_coordinator()
+    proxies = {s.name: ChaosProxy("127.0.0.1", lr._port).start() for s in cfg.islands}
+    lr.island_urls = {name: p.url for name, p in proxies.items()}
+    watcher = Watcher(lr.url, lr.token).start()
+    injector, schedule_t0 = None, None
+    try:
+        lr.start_islands()
+        if schedule is not None:
+            _until_training(lr)
+            schedule_t0 = time.monotonic() - watcher.t0
+            sizes = {s.name: s.world_size for s in cfg.islands}
+            injector = Injector(schedule, RunTarget(lr, proxies, sizes)).start()
+        _supervise(lr, label, client)
+    finally:
+        if injector is not None:
+            injector.stop()
+        lr.coordinator_hold_until = 0.0
+        lr.supervise()  # a coordinator held down by the last event comes back
+        status = _wait_status(client)
+        watcher.stop()
+        lr.stop()
+        for p in proxies.values():
+            p.close()
+    wall = time.monotonic() - t0
+    config, tensors = load_global_tensors(cfg.coordinator.state_dir)
+    finite = all(bool(t.isfinite().all()) for t in tensors.values())
+    d = cfg.data
+    tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
+    export = export_model(config, tensors, workdir / "export", tokenizer=tok)
+    quality = evaluate(cfg, Path(export), heldout)
+    quality.pop("sample", None)
+    return {
+        "run": label,
+        "wall_s": round(wall, 1),
+        "goodput": status["run"]["goodput"] if status else None,
+        "uptime": status["run"]["uptime"] if status else None,
+        "merges": status["merges"] if status else None,
+        "islands": status["islands"] if status else None,
+        "restarts": dict(lr.restarts),
+        "coordinator_restarts": lr.coordinator_restarts,
+        "given_up": sorted(lr.given_up),
+        "supervisor_events": lr.events,
+        "injected": injector.log if injector else [],
+        "all_finite": finite,
+        **watcher.report(),
+        "advances": watcher.advances,
+        "schedule_t0_s": schedule_t0,  # when the schedule's clock started, in watcher time
+        "status_samples": watcher.samples,
+        **quality,
+    }
+
+
+def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> dict:
+    """Synchronous ZeRO-3 data parallelism over all the run's ranks, restarting from checkpoints."""
+    total = sum(s.world_size for s in cfg.islands)
+    sizes = {s.name: s.world_size for s in cfg.islands}
+    offsets, o = {}, 0
+    for s in cfg.islands:
+        offsets[s.name] = o
+        o += s.world_size
+    every = cfg.train.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+    spec = IslandSpec(name="data-parallel", world_size=total)
+    cfg = dataclasses.replace(_with_workdir(cfg, workdir, checkpoint_every=every), islands=(spec,))
+    lr = LocalRun(cfg)
+    t0 = time.monotonic()
+    injector = None
+    try:
+        lr.start_island(spec, 0, 1, plain=True)
+        if schedule is not None:
+            _until_training(lr)
+            target = RunTarget(lr, {}, sizes, lambda isl, r: (spec.name, offsets[isl] + r))
+            injector = Injector(schedule, target).start()
+        _supervise(lr, "baseline", None)
+    finally:
+        if injector is not None:
+            injector.stop()
+        lr.stop()
+    wall = time.monotonic() - t0
+    d = lr.island_dir(spec.name)
+    summary = json.loads((d / "summary-rank0.json").read_text())
+    records = [json.loads(x) for x in (d / "progress.jsonl").read_text().splitlines()]
+    started = min(r["started_at"] for r in records if "started_at" in r)
+    step_s = statistics.median(summary["step_times_s"])
+    allocated = summary["finished_at"] - started
+    return {
+        "run": "baseline",
+        "wall_s": round(wall, 1),
+        "ranks": total,
+        "checkpoint_every": every,
+        "steps": summary["steps"],
+        "step_s_median": step_s,
+        "goodput": min(1.0, summary["steps"] * step_s / allocated) if allocated > 0 else None,
+        "restarts": dict(lr.restarts),
+        "given_up": sorted(lr.given_up),
+        "injected": injector.log if injector else [],
+        "heldout_loss_island_end": summary["heldout_loss_end"],
+    }
+
+
+def run_chaos(cfg: RunConfig, schedule: Schedule, workdir: Path, *, reference: bool = True,
+              baseline: bool = True) -> dict:  # fmt: skip
+    from ds_diloco.data import heldout_split, prepare_corpus
+
+    schedule.check_targets({s.name: s.world_size for s in cfg.islands})
+    d = cfg.data
+    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
+                               text_field=d.text_field)  # fmt: skip
+    heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:64]
+    report: dict = {"schedule": schedule.to_dict()}
+    report["chaos"] = run_diloco(cfg, schedule, workdir / "chaos", heldout)
+    if reference:
+        report["reference"] = run_diloco(cfg, None, workdir / "reference", heldout)
+    if baseline:
+        report["baseline"] = run_baseline(cfg, schedule, workdir / "baseline")
+    (workdir / "chaos-report.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def print_report(r: dict) -> None:
+    c = r["chaos"]
+    kinds: dict[str, int] = {}
+    for e in c["injected"]:
+        if e["action"] == "apply":
+            kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    print("\nds-diloco chaos report")
+    print(
+        f"  events injected: {sum(kinds.values())} ({', '.join(f'{k} x{n}' for k, n in kinds.items())})"
+    )
+    print(
+        f"  island restarts: {c['restarts'] or 'none'}; coordinator restarts: "
+        f"{c['coordinator_restarts']}; given up: {c['given_up'] or 'none'}"
+    )
+    print(f"  merges per fragment: {c['merges']}")
+    print(
+        f"  versions went backwards: {len(c['versions_went_backwards'])}; served versions that "
+        f"changed: {len(c['served_versions_changed'])} of {c['served_versions_checked']} checked; "
+        f"all tensors finite: {c['all_finite']}"
+    )
+    up = c["uptime"]
+    print(
+        f"  uptime (share of {'windows'} with a merge): {up:.3f}"
+        if up is not None
+        else "  uptime: n/a"
+    )
+    ref = r.get("reference")
+    line = f"  held-out loss: initial {c['heldout_loss_initial']:.3f} -> chaos {c['heldout_loss_merged']:.3f}"
+    if ref:
+        line += f" (no faults: {ref['heldout_loss_merged']:.3f}, wall {ref['wall_s']} s vs {c['wall_s']} s)"
+    print(line)
+    g = c["goodput"]
+    print(f"  goodput Decoupled DiLoCo: {g:.3f}" if g is not None else "  goodput: n/a")
+    b = r.get("baseline")
+    if b:
+        print(
+            f"  goodput synchronous ZeRO-3 data-parallel ({b['ranks']} ranks, checkpoint every "
+            f"{b['checkpoint_every']} steps, restarts {b['restarts'] or 'none'}): {b['goodput']:.3f}"
+        )
+        if g is not None and b["goodput"]:
+            print(f"  ratio Decoupled DiLoCo / data-parallel: {g / b['goodput']:.2f}")  # fmt: skip
+
+
+def main(args) -> int:
+    from ds_diloco.config import load_run_config
+
+    cfg = load_run_config(args.file)
+    if args.schedule:
+        schedule = Schedule.from_file(args.schedule)
+    else:
+        schedule = Schedule.from_seed(
+            args.seed, [s.name for s in cfg.islands],
+            {s.name: s.world_size for s in cfg.islands}, args.duration,
+            rate_per_min=args.rate,
+        )  # fmt: skip
+    workdir = Path(args.workdir or Path(cfg.workdir).with_name(Path(cfg.workdir).name + "-chaos"))
+    report = run_chaos(cfg, schedule, workdir, reference=not args.no_reference,
+                       baseline=not args.no_baseline)  # fmt: skip
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    c = report["chaos"]
+    ok = not c["versions_went_backwards"] and not c["served_versions_changed"] and c["all_finite"]
+    return 0 if ok else 1
