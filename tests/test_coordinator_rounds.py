@@ -168,6 +168,23 @@ def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config
     assert coord.status()["islands"]["c"]["registrations"] == 2
 
 
+def test_a_new_island_joins_a_running_run(tiny_config_path, tmp_path):
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock,
+                 policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1))  # fmt: skip
+    coord.register("a", 1, coord.plan.signature)
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge  # K = 2 capped to the one live island
+    info = coord.register("c", 2, coord.plan.signature)  # elastic: joins at version 1
+    assert info["versions"] == [1, 0]
+    send(coord, "a", 0, step=4)
+    d = coord.poll(0)
+    assert not d.merge and "quorum 1/2" in d.reason  # the newcomer now counts for the quorum
+    send(coord, "c", 0, step=2, world_size=2)
+    d = coord.poll(0)
+    assert d.merge and coord.status()["last_merge"]["0"]["islands"] == ["a", "c"]
+
+
 def test_a_stalled_islands_late_contribution_follows_the_staleness_policy(
     tiny_config_path, tmp_path
 ):
