@@ -119,6 +119,8 @@ class _Island:
     tokens_merged: int = 0
     steps_merged: int = 0
     """Inner steps in this island's merged contributions, summed over fragments."""
+    steps_dropped: int = 0
+    """Inner steps in its contributions dropped as stale, summed over fragments."""
     joined_at: float = dataclasses.field(default_factory=lambda: time.time())
     """Wall-clock time of the first registration: from then on the island is allocated."""
     left_at: float | None = None
@@ -133,6 +135,7 @@ class _Island:
             "dropped": self.dropped,
             "tokens_merged": self.tokens_merged,
             "steps_merged": self.steps_merged,
+            "steps_dropped": self.steps_dropped,
             "joined_at": self.joined_at,
             "left_at": self.left_at,
             "registrations": self.registrations,
@@ -146,6 +149,7 @@ class _Island:
         isl.last_step, isl.merged, isl.dropped = d["last_step"], d["merged"], d["dropped"]
         isl.tokens_merged = d["tokens_merged"]
         isl.steps_merged = d.get("steps_merged", 0)
+        isl.steps_dropped = d.get("steps_dropped", 0)
         isl.joined_at = d.get("joined_at", time.time())
         isl.left_at = d.get("left_at")
         isl.registrations = d.get("registrations", 1)
@@ -447,6 +451,8 @@ class Coordinator:
             weight, why = self._weight(h, fs.version)
             if weight == 0.0:
                 isl.dropped += 1
+                if h.rank == 0:  # once per contribution, not per rank
+                    isl.steps_dropped += h.steps
                 return self._reply("dropped", fs, why)
             if cur is not None and cur.step > h.step:
                 isl.dropped += 1
@@ -706,6 +712,7 @@ class Coordinator:
                             fs.give_row(c.row)
                             if island in self._islands:
                                 self._islands[island].dropped += 1
+                                self._islands[island].steps_dropped += c.steps
         log.info(
             "fragment %d -> v%d from %s (%s) in %.3fs",
             fs.fragment.index,
@@ -792,6 +799,7 @@ class Coordinator:
                         "left": v.left_at is not None,
                         "registrations": v.registrations,
                         "steps_merged": v.steps_merged,
+                        "steps_dropped": v.steps_dropped,
                         "last_seen_s": round(now - v.last_seen, 3),
                         "last_step": v.last_step,
                         "step_time_s": v.step_time.value,

@@ -171,6 +171,56 @@ class Watcher:
         }
 
 
+def island_time(island_dir: Path) -> dict:
+    """From an island's progress records: when it first trained, when it finished, steps run.
+
+    Every launch writes a ``started_at`` record; steps run per launch are counted up to
+    its last progress record (a killed launch may have run up to ``log_every - 1`` more).
+    """
+    records = [json.loads(x) for x in (island_dir / "progress.jsonl").read_text().splitlines()]
+    summary = json.loads((island_dir / "summary-rank0.json").read_text())
+    launches: list[list[int]] = []  # [start step, last step seen]
+    for r in records:
+        if "started_at" in r:
+            launches.append([r["step"], r["step"]])
+        elif "step" in r and launches:
+            launches[-1][1] = max(launches[-1][1], r["step"])
+    launches[-1][1] = summary["steps"]
+    first = min(r["started_at"] for r in records if "started_at" in r)
+    return {
+        "allocated_s": summary["finished_at"] - first,
+        "steps_run": sum(b - a for a, b in launches),
+        "launches": len(launches),
+        "step_s": statistics.median(summary["step_times_s"]),
+        "steps": summary["steps"],
+    }
+
+
+def breakdown(times: dict[str, dict], useful_steps: dict[str, float],
+              dropped_steps: dict[str, float] | None = None) -> dict:  # fmt: skip
+    """Where allocated island time went, as shares of it; ``goodput`` is the useful share.
+
+    ``useful_steps``: per island, steps that ended up in the model (Decoupled DiLoCo: steps
+    in merged contributions / P; data parallel: the final step count); ``dropped_steps``:
+    in contributions dropped as stale / P. The rest of the training time is "trained, not
+    used" (the tau steps between a fragment's send and its overwrite, steps lost in a
+    crash or recomputed after one); what is left of the allocation is not training
+    (start-up after restarts, stalls, waiting).
+    """
+    dropped_steps = dropped_steps or {}
+    alloc = sum(t["allocated_s"] for t in times.values())
+    useful = sum(useful_steps[n] * t["step_s"] for n, t in times.items())
+    dropped = sum(dropped_steps.get(n, 0.0) * t["step_s"] for n, t in times.items())
+    trained = sum(t["steps_run"] * t["step_s"] for t in times.values())
+    return {
+        "goodput": useful / alloc,
+        "stale_dropped": dropped / alloc,
+        "trained_not_used": max(0.0, trained - useful - dropped) / alloc,
+        "not_training": max(0.0, alloc - trained) / alloc,
+        "allocated_island_s": round(alloc, 1),
+    }
+
+
 def _wait_status(client: CoordinatorClient, timeout_s: float = 120.0) -> dict | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -248,6 +298,14 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
         for p in proxies.values():
             p.close()
     wall = time.monotonic() - t0
+    times = {s.name: island_time(lr.island_dir(s.name)) for s in cfg.islands}
+    n_frag = cfg.coordinator.num_fragments
+    isl = status["islands"] if status else {}
+    split = breakdown(
+        times,
+        {n: isl.get(n, {}).get("steps_merged", 0) / n_frag for n in times},
+        {n: isl.get(n, {}).get("steps_dropped", 0) / n_frag for n in times},
+    )
     config, tensors = load_global_tensors(cfg.coordinator.state_dir)
     finite = all(bool(t.isfinite().all()) for t in tensors.values())
     d = cfg.data
@@ -258,7 +316,10 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     return {
         "run": label,
         "wall_s": round(wall, 1),
-        "goodput": status["run"]["goodput"] if status else None,
+        "goodput": split["goodput"],
+        "time_split": split,
+        "island_times": times,
+        "goodput_live": status["run"]["goodput"] if status else None,  # /metrics' estimate
         "uptime": status["run"]["uptime"] if status else None,
         "merges": status["merges"] if status else None,
         "islands": status["islands"] if status else None,
@@ -304,18 +365,19 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
     wall = time.monotonic() - t0
     d = lr.island_dir(spec.name)
     summary = json.loads((d / "summary-rank0.json").read_text())
-    records = [json.loads(x) for x in (d / "progress.jsonl").read_text().splitlines()]
-    started = min(r["started_at"] for r in records if "started_at" in r)
-    step_s = statistics.median(summary["step_times_s"])
-    allocated = summary["finished_at"] - started
+    times = {spec.name: island_time(d)}
+    # Every rank of the job is allocated (and useful) for the same time: one island's shares.
+    split = breakdown(times, {spec.name: summary["steps"]})
     return {
         "run": "baseline",
         "wall_s": round(wall, 1),
         "ranks": total,
         "checkpoint_every": every,
         "steps": summary["steps"],
-        "step_s_median": step_s,
-        "goodput": min(1.0, summary["steps"] * step_s / allocated) if allocated > 0 else None,
+        "step_s_median": times[spec.name]["step_s"],
+        "goodput": split["goodput"],
+        "time_split": split,
+        "island_times": times,
         "restarts": dict(lr.restarts),
         "given_up": sorted(lr.given_up),
         "injected": injector.log if injector else [],
@@ -374,15 +436,23 @@ def print_report(r: dict) -> None:
         line += f" (no faults: {ref['heldout_loss_merged']:.3f}, wall {ref['wall_s']} s vs {c['wall_s']} s)"
     print(line)
     g = c["goodput"]
-    print(f"  goodput Decoupled DiLoCo: {g:.3f}" if g is not None else "  goodput: n/a")
+    print(f"  goodput Decoupled DiLoCo: {g:.3f}  ({_split(c['time_split'])})")
+    if ref:
+        print(f"  goodput without faults: {ref['goodput']:.3f}  ({_split(ref['time_split'])})")
     b = r.get("baseline")
     if b:
         print(
             f"  goodput synchronous ZeRO-3 data-parallel ({b['ranks']} ranks, checkpoint every "
             f"{b['checkpoint_every']} steps, restarts {b['restarts'] or 'none'}): {b['goodput']:.3f}"
+            f"  ({_split(b['time_split'])})"
         )
         if g is not None and b["goodput"]:
             print(f"  ratio Decoupled DiLoCo / data-parallel: {g / b['goodput']:.2f}")  # fmt: skip
+
+
+def _split(s: dict) -> str:
+    return (f"of allocated island time: stale-dropped {s['stale_dropped']:.3f}, trained but not "
+            f"used {s['trained_not_used']:.3f}, not training {s['not_training']:.3f}")  # fmt: skip
 
 
 def main(args) -> int:
