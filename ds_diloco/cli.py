@@ -183,9 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="codec of the main DiLoCo runs (default int4)")  # fmt: skip
     bq.add_argument("--no-codecs", action="store_true", help="skip the codec variants")
     bq.add_argument("--no-hetero", action="store_true", help="skip the heterogeneous variant")
+    bq.add_argument("--hetero-sync", action="store_true",
+                    help="also run sync DiLoCo with the slow island (one more run)")  # fmt: skip
     bq.add_argument("--tune", action="store_true",
                     help="only pick the outer lr of each DiLoCo method on the tuning split")  # fmt: skip
-    bq.add_argument("--tune-lrs", default="0.4,0.7,1.0", help="outer lrs --tune tries")
+    bq.add_argument("--tune-lrs", default="0.1,0.2,0.4,0.7", help="outer lrs --tune tries")
     bq.add_argument("--workdir", default=None, help="runs go here (default runs/bench-quality)")
     bq.add_argument("--plot", metavar="PNG", default=None, help="default WORKDIR/quality.png")
     for parser in (bc, bi, bq):

@@ -213,7 +213,7 @@ def breakdown(times: dict[str, dict], useful_steps: dict[str, float],
     dropped = sum(dropped_steps.get(n, 0.0) * t["step_s"] for n, t in times.items())
     trained = sum(t["steps_run"] * t["step_s"] for t in times.values())
     return {
-        "goodput": useful / alloc,
+        "goodput": min(1.0, useful / alloc),  # median step times: an estimate
         "stale_dropped": dropped / alloc,
         "trained_not_used": max(0.0, trained - useful - dropped) / alloc,
         "not_training": max(0.0, alloc - trained) / alloc,
