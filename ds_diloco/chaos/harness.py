@@ -191,7 +191,8 @@ def island_time(island_dir: Path) -> dict:
         "allocated_s": summary["finished_at"] - first,
         "steps_run": sum(b - a for a, b in launches),
         "launches": len(launches),
-        "step_s": statistics.median(summary["step_times_s"]),
+        # The mean, not the median: an island runs faster while another is down or done.
+        "step_s": statistics.fmean(summary["step_times_s"]),
         "steps": summary["steps"],
     }
 
@@ -213,7 +214,7 @@ def breakdown(times: dict[str, dict], useful_steps: dict[str, float],
     dropped = sum(dropped_steps.get(n, 0.0) * t["step_s"] for n, t in times.items())
     trained = sum(t["steps_run"] * t["step_s"] for t in times.values())
     return {
-        "goodput": min(1.0, useful / alloc),  # median step times: an estimate
+        "goodput": min(1.0, useful / alloc),  # from mean step times: an estimate
         "stale_dropped": dropped / alloc,
         "trained_not_used": max(0.0, trained - useful - dropped) / alloc,
         "not_training": max(0.0, alloc - trained) / alloc,
