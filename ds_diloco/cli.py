@@ -51,6 +51,12 @@ def _chaos(args) -> int:
     return chaos_main(args)
 
 
+def _simulate(args) -> int:
+    from ds_diloco.simulate import main as simulate_main
+
+    return simulate_main(args)
+
+
 def _export(args) -> int:
     from ds_diloco.export import export
     from ds_diloco.hub import push_folder, resolve_token
@@ -154,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="output folder (from_pretrained loads it)")
     g.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="saved dtype")
     g.set_defaults(fn=_convert_gguf)
+
+    from ds_diloco.simulate import add_arguments as add_simulate_arguments
+
+    sim = sub.add_parser(
+        "simulate",
+        help="goodput at scale (simulated): data-parallel vs elastic vs Decoupled DiLoCo",
+    )
+    add_simulate_arguments(sim)
+    sim.set_defaults(fn=_simulate)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench = b.add_subparsers(dest="what", required=True)

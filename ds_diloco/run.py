@@ -265,19 +265,33 @@ def _status_or_none(client: CoordinatorClient) -> dict | None:
 
 
 class Board:
-    """TensorBoard scalars of a run: each island's loss and tokens, goodput and uptime."""
+    """TensorBoard scalars of a run: each island's loss (every progress record), goodput,
+    uptime and merges (at every progress print)."""
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, islands_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir))
+        self.islands_dir = islands_dir
+        self.read: dict[str, int] = {}  # bytes of each progress.jsonl already written
         self.t0 = time.monotonic()
 
-    def write(self, records: dict[str, dict], status: dict | None) -> None:
+    def _new_records(self):
+        for path in sorted(self.islands_dir.glob("*/progress.jsonl")):
+            name = path.parent.name
+            with path.open("rb") as f:
+                f.seek(self.read.get(name, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # whole lines only
+            self.read[name] = self.read.get(name, 0) + end
+            for line in data[:end].splitlines():
+                yield name, json.loads(line)
+
+    def write(self, status: dict | None) -> None:
         t = time.monotonic() - self.t0
-        for name, r in records.items():
+        for name, r in self._new_records():
             if "loss" in r and "step" in r:
-                self.writer.add_scalar(f"loss/{name}", r["loss"], r["step"], walltime=time.time())
+                self.writer.add_scalar(f"loss/{name}", r["loss"], r["step"])
             if "heldout_loss" in r:
                 self.writer.add_scalar(f"heldout_loss/{name}", r["heldout_loss"], r["step"])
         if status:
@@ -351,17 +365,17 @@ def run(cfg: RunConfig) -> int:
         sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
         print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
         next_print = time.monotonic()
-        board = Board(lr.workdir / "tensorboard")
+        board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
         while not lr.finished():
             lr.supervise()
             if time.monotonic() >= next_print:
                 print(lr.progress_line(client), flush=True)
-                board.write(lr.island_records(), _status_or_none(client))
+                board.write(_status_or_none(client))
                 next_print += PROGRESS_EVERY_S
             time.sleep(0.2)
         print(lr.progress_line(client), flush=True)
         final_status = _status_or_none(client)
-        board.write(lr.island_records(), final_status)
+        board.write(final_status)
         board.close()
         failed = lr.failed_islands()
         if failed:

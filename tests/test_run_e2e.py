@@ -60,6 +60,15 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     assert min(summary["merges"]) >= 3, summary["merges"]
     assert summary["heldout_loss_merged"] < summary["heldout_loss_initial"] - 0.3, summary
     assert summary["sample"].startswith("Shall I")
+    # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
+    assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
+    assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(workdir / "tensorboard"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"loss/a", "loss/b", "run/goodput", "run/merges"} <= tags, tags
     for name in ("a", "b"):
         for rank in (0, 1):
             s = json.loads((workdir / "islands" / name / f"summary-rank{rank}.json").read_text())

@@ -1,0 +1,196 @@
+"""What the goodput simulator is told: the cluster, its failures, and each system's costs.
+
+The defaults marked *calibrated* are not published: they were fitted (a simulated
+week, seed 0) to the two baseline rows of the published table (``PUBLISHED``).
+Elastic data-parallel comes out within 3 points at every size; data-parallel
+within 3 at 150k, 300k and 1.2M but 3.6 and 3.7 points off at 600k and 2.4M, and
+no restart time does better: the published row falls less from 600k to 2.4M than
+a fixed restart cost allows once a failure also loses the step in flight (600k
+needs a restart of at least ~52 s, 2.4M at most ~47 s; ``tests/test_simulate.py``
+checks both claims). Decoupled DiLoCo's own settings are the paper's (P = H =
+24, tau = 2, K = 1 with grace window) and the coordinator's policy defaults,
+never tuned to hit a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ds_diloco.round_policy import PolicyOptions
+
+YEAR_S = 365.25 * 86400.0
+DAY_S = 86400.0
+
+SYSTEMS = ("dp", "elastic", "diloco")
+"""Restart-from-checkpoint data-parallel, elastic data-parallel, Decoupled DiLoCo."""
+
+PAPER_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
+PAPER_ISLANDS = (2, 4, 8, 16)
+PUBLISHED = {
+    "dp": dict(zip(PAPER_CHIPS, (72, 57, 38, 27, 18))),
+    "elastic": dict(zip(PAPER_CHIPS, (88, 80, 69, 58, 40))),
+}
+"""Published goodput % by chips (../shared/reference/decoupled-diloco.md)."""
+PUBLISHED_DILOCO = {(1_200_000, 8): 88}
+"""Published Decoupled DiLoCo goodput %, by (chips, M): only M = 8 at 1.2M is given."""
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """One simulated run: every system gets the same chips and the same failure trace."""
+
+    chips: int = 1_200_000
+    """Chips in the cluster; whole slices only (a remainder below one slice is not used)."""
+
+    islands: int = 8
+    """M, Decoupled DiLoCo's learners; slices are split among them in contiguous blocks."""
+
+    days: float = 7.0
+    """Simulated wall-clock time, days."""
+
+    seed: int = 0
+    """Seeds the failure trace (shared by all systems) and DiLoCo's step-time draws."""
+
+    chip_mtbi_s: float = YEAR_S
+    """Mean time between interruptions of one chip, seconds (inf: no failures).
+    The paper's setting: one year per chip, so a cluster of N chips fails every year / N."""
+
+    chips_per_slice: int = 256
+    """Chips that fail, are repaired and rejoin together: one failed chip takes its slice
+    (its high-bandwidth domain) out. 256: e.g. 32 eight-GPU hosts, or a mid-size TPU slice."""
+
+    step_s: float = 5.0
+    """One chip's mean compute time per inner step, seconds: a large dense model at a
+    multi-million-token batch takes seconds per step. A failure loses the step in flight,
+    so shorter steps lose less; DiLoCo's cost is one event per island and step."""
+
+    step_cv: float = 0.005
+    """Chip step-time variance as a coefficient of variation, drawn per chip and step.
+    A synchronous group waits for its slowest chip (at 1e5 chips about 4.4 standard
+    deviations out); that wait is not goodput. 0.5 %: a well-tuned fleet's jitter."""
+
+    # Failure handling. Calibrated against the published baseline rows (see module doc).
+    detect_s: float = 10.0
+    """*Calibrated.* From a chip failing to the system knowing it; the step in flight is
+    lost. 10 s: a per-host heartbeat a few seconds apart plus a confirmation."""
+
+    downscale_s: float = 2.0
+    """*Calibrated.* Re-forming a group without the failed slice (elastic data-parallel and
+    each DiLoCo island), after detection. 2 s: state is replicated across slices and the
+    program is compiled ahead for each size, so only the collectives are re-formed."""
+
+    upscale_s: float = 2.0
+    """*Calibrated.* Re-forming a group when a repaired slice rejoins (at a step boundary,
+    so no step is lost); the same mechanism as downscaling, so the same time."""
+
+    repair_s: float = 7200.0
+    """*Calibrated.* A failed slice is away this long (reboot or swap the host, re-qualify
+    the slice) before it can rejoin. With 256-chip slices and one failure per chip-year,
+    256 x 2 h / 1 y = 5.8 % of the chips are away at any time."""
+
+    restart_s: float = 50.0
+    """*Calibrated.* Data-parallel restart after detection: re-schedule the job on the healthy
+    slices, initialise the runtime, load the last checkpoint (in host memory or from peers)."""
+
+    checkpoint_every_s: float = 0.0
+    """Data-parallel checkpoint interval, seconds of training (rounded to whole steps, at
+    least one); a restart loses what was trained since. 0: every step, as an in-memory
+    snapshot (data-parallel replicas already hold the state), so only the step in flight
+    is lost."""
+
+    # Decoupled DiLoCo: the paper's settings and the coordinator's policy defaults.
+    num_fragments: int = 24
+    """P, fragments the model is split into (the paper: 24)."""
+
+    sync_every: int = 24
+    """H, inner steps between two syncs of the same fragment (the paper: 24); a multiple of P."""
+
+    overlap: int = 2
+    """tau, inner steps between sending a fragment and applying its merged value (paper: 2)."""
+
+    min_quorum: int = 1
+    """K, contributions before the coordinator may merge (the paper: 1)."""
+
+    grace_gamma: float = PolicyOptions.grace_gamma
+    """Grace-window safety factor (the coordinator's default; 0 disables the grace window)."""
+
+    max_grace_s: float = PolicyOptions.max_grace_s
+    """Cap on the grace window, seconds (the coordinator's default)."""
+
+    merge_s: float = 1.0
+    """Coordinator time to merge and publish one fragment (its xi_sync), seconds."""
+
+    systems: tuple[str, ...] = SYSTEMS
+    """Which systems to simulate, a subset of ``SYSTEMS``."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, need: str) -> ValueError:
+            return ValueError(f"SimConfig.{field} {need}, got {getattr(self, field)!r}")
+
+        for name in ("chips", "islands", "chips_per_slice", "num_fragments", "sync_every"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.chips < self.chips_per_slice:
+            raise bad("chips", f"must be at least one slice ({self.chips_per_slice} chips)")
+        if self.islands > self.slices:
+            raise bad("islands", f"must be <= the number of slices ({self.slices}): an island "
+                      "holds whole slices; lower islands or chips_per_slice")  # fmt: skip
+        if not (math.isfinite(self.days) and self.days > 0):
+            raise bad("days", "must be a finite number > 0")
+        if not self.chip_mtbi_s > 0:
+            raise bad("chip_mtbi_s", "must be > 0 seconds (inf disables failures)")
+        if not (math.isfinite(self.step_s) and self.step_s > 0):
+            raise bad("step_s", "must be a finite number of seconds > 0")
+        for name in ("step_cv", "detect_s", "downscale_s", "upscale_s", "repair_s",
+                     "restart_s", "checkpoint_every_s", "merge_s"):  # fmt: skip
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise bad(name, "must be a finite number >= 0")
+        # Same rules as fragments.Schedule (tests check both agree); not imported, as that
+        # module loads torch and the simulator needs none.
+        if self.sync_every % self.num_fragments:
+            raise bad("sync_every", f"(H) must be a multiple of num_fragments "
+                      f"(P={self.num_fragments}) so that fragments are evenly staggered")  # fmt: skip
+        if not 0 <= self.overlap < self.sync_every:
+            raise bad("overlap", f"(tau) must be in [0, sync_every={self.sync_every})")
+        if self.overlap < 1:
+            raise bad("overlap", "(tau) must be >= 1 for the grace-window policy")
+        self.systems = tuple(self.systems)
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise bad("systems", f"must be a non-empty subset of {SYSTEMS}")
+        try:
+            self.policy  # noqa: B018  (validates K, gamma and the cap with the coordinator's rules)
+        except ValueError as e:
+            raise ValueError(f"SimConfig: {e}") from None
+
+    @property
+    def slices(self) -> int:
+        return self.chips // self.chips_per_slice
+
+    @property
+    def used_chips(self) -> int:
+        """Chips actually simulated: whole slices."""
+        return self.slices * self.chips_per_slice
+
+    @property
+    def duration_s(self) -> float:
+        return self.days * DAY_S
+
+    @property
+    def policy(self) -> PolicyOptions:
+        """The coordinator's round policy options, as ``round_policy.decide`` takes them."""
+        return PolicyOptions(
+            min_quorum=self.min_quorum,
+            grace_gamma=self.grace_gamma,
+            max_grace_s=self.max_grace_s,
+            tau=self.overlap,
+        )
+
+    def replace(self, **changes) -> SimConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,389 @@
+"""Decoupled DiLoCo with M islands: every inner step of every island is an event.
+
+Each island is an elastic data-parallel group of whole slices (the same pause
+costs as the elastic baseline) that never waits for the others. After inner
+step s it sends fragment (s / stride - 1) mod P, H/P steps apart, as
+``fragments.Schedule`` does. The coordinator closes each fragment's round by
+calling ``round_policy.decide`` -- the coordinator's own function, looked up at
+call time -- at every counted arrival and at every deadline it asks for.
+
+Accounting (goodput):
+- An island's step adds live chips x step_s chip-seconds, 1/P to each fragment.
+  A contribution carries what its fragment gathered since the island last sent
+  it, and counts once merged. With H = P the sends tile every step, so a run
+  without failures or jitter is 100 % goodput; the tau-step overlap is a
+  question of model quality, not of chip-time.
+- A contribution whose base version is older than the fragment's current one is
+  stale and dropped (the paper's rule).
+- An island that resumes after a pause takes the global value of every fragment
+  merged meanwhile (its own work on those is lost) and rejoins the fleet's
+  schedule at the leading island's next step boundary (it idles until then), so
+  its uploads land in the same rounds as the others'.
+
+Liveness: the coordinator counts an island as live while it holds a lease
+(``island_timeout_s``, 20 s, renewed by heartbeats). A re-forming island keeps
+heartbeating, so it stays live and a round it misses closes when its grace
+window ends; only an island left without a healthy slice stops being live.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+
+import numpy as np
+
+from ds_diloco import round_policy
+from ds_diloco.round_policy import Ema, RoundState
+from ds_diloco.simulate.config import SimConfig
+from ds_diloco.simulate.result import SystemResult
+from ds_diloco.simulate.trace import EULER_GAMMA, Trace, slowest_chip
+
+IN, AWAY, BACK = 0, 1, 2  # slice: in its island / away for repair / repaired, not yet rejoined
+RUN, PAUSE, WAIT, DEAD = 0, 1, 2, 3  # island: training / re-forming / idle until the fleet's
+# next step boundary / no healthy slice left
+STEP, RESUME, START, DEADLINE = 0, 1, 2, 3  # heap events
+
+
+def simulate_diloco(cfg: SimConfig, trace: Trace) -> SystemResult:
+    sim = _Sim(cfg, trace)
+    sim.run(trace)
+    return sim.result(len(trace))
+
+
+class _Sim:
+    def __init__(self, cfg: SimConfig, trace: Trace) -> None:
+        self.cfg = cfg
+        M, P, n = cfg.islands, cfg.num_fragments, cfg.slices
+        self.M, self.P, self.S = M, P, cfg.chips_per_slice
+        self.stride = cfg.sync_every // P
+        self.opts = cfg.policy
+        self.island_of = [j * M // n for j in range(n)]  # contiguous blocks of slices
+        self.state = bytearray(n)
+        self.back: list[set[int]] = [set() for _ in range(M)]
+        self.returns: deque[tuple[float, int]] = deque(trace.away)  # equal repair times: FIFO
+        self.live = [0] * M  # chips in each island's group
+        for m in self.island_of:
+            self.live[m] += self.S
+        for _, j in trace.away:
+            self.state[j] = AWAY
+            self.live[self.island_of[j]] -= self.S
+        self.mode = [RUN] * M
+        self.gen = [0] * M  # bumped to cancel an island's scheduled events
+        self.idx = [1] * M  # the step in flight (RUN) or the next one (otherwise)
+        self.start = [0.0] * M
+        self.end = [0.0] * M
+        self.upscale = [False] * M
+        self.target = [0] * M  # WAIT: the step to start at the fleet's boundary
+        self.wait_at = [0.0] * M  # WAIT: when it starts
+        self.cum = [0.0] * M  # chip-seconds trained by each island
+        self.mark = [[0.0] * P for _ in range(M)]  # cum at the last send (or refresh) of p
+        self.base = [[0] * P for _ in range(M)]  # version of p the island trains on
+        self.applyq: list[deque[tuple[int, int]]] = [deque() for _ in range(M)]
+        self.pending: list[list[tuple[int, int]]] = [[] for _ in range(M)]  # (p, round id)
+        self.step_ema = [Ema() for _ in range(M)]
+        self.version = [0] * P
+        self.r_isl: list[list[int]] = [[] for _ in range(P)]
+        self.r_cov: list[list[float]] = [[] for _ in range(P)]
+        self.r_t: list[list[float]] = [[] for _ in range(P)]
+        self.r_id = [0] * P
+        self.r_deadline: list[float | None] = [None] * P
+        self.xi_quorum, self.xi_sync = Ema(), Ema()
+        self._xi_step: float | None = None
+        self._xi_at = -math.inf
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = itertools.count()
+        self.rng = np.random.default_rng([cfg.seed, 1])  # not the trace's stream
+        self.draws: list[float] = []
+        self.di = 0
+        self.slow: dict[int, tuple[float, float]] = {}
+        self.n_dead = 0  # islands without a healthy slice (not live for the coordinator)
+        self.covered: list[list[float]] = []  # union of completed steps' [start, end]
+        self.useful = 0.0
+        self.stats = dict.fromkeys(
+            ("merges", "contributions", "stale", "downscales", "upscales", "rejoins"), 0
+        )
+        self.lost_stale = self.lost_refresh = 0.0
+        for m in range(M):
+            if self.live[m]:
+                self._schedule_step(m, 0.0)
+            else:
+                self.mode[m] = DEAD
+                self.n_dead += 1
+
+    # ------------------------------------------------------------- time base
+    def _draw(self, m: int) -> float:
+        """Wall time of island m's next step: its slowest chip's (Gumbel limit)."""
+        n = self.live[m]
+        ls = self.slow.get(n)
+        if ls is None:
+            ls = self.slow[n] = slowest_chip(n)
+        if self.di == len(self.draws):
+            self.draws, self.di = self.rng.gumbel(size=1 << 16).tolist(), 0
+        g = self.draws[self.di]
+        self.di += 1
+        cfg = self.cfg
+        return cfg.step_s * max(0.01, 1 + cfg.step_cv * (ls[0] + ls[1] * (g - EULER_GAMMA)))
+
+    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
+
+    def _schedule_step(self, m: int, t: float) -> None:
+        self.start[m] = t
+        e = self.end[m] = t + self._draw(m)
+        self._push(e, STEP, m, self.gen[m])
+
+    def _xi_step_at(self, now: float) -> float | None:
+        # The coordinator's xi_step: the fastest island's step-time EMA. Refreshed once a
+        # step of simulated time, not per call: it moves slowly and M can be large.
+        if now - self._xi_at >= self.cfg.step_s:
+            vals = [e.value for e in self.step_ema if e.value is not None]
+            self._xi_step, self._xi_at = (min(vals) if vals else None), now
+        return self._xi_step
+
+    # ---------------------------------------------------------------- rounds
+    def _decide(self, p: int, now: float) -> None:
+        times = self.r_t[p]
+        c, live = len(times), self.M - self.n_dead
+        q = max(1, min(self.opts.min_quorum, live))
+        state = RoundState(
+            live_islands=live,
+            contributors=c,
+            first_arrival=times[0] if c else None,
+            quorum_at=times[q - 1] if c >= q else None,
+            xi_step=self._xi_step_at(now),
+            xi_quorum=self.xi_quorum.value,
+            xi_sync=self.xi_sync.value,
+        )
+        d = round_policy.decide(now, state, self.opts)
+        if d.merge:
+            self._merge(p, state)
+        elif d.wait_until is not None and d.wait_until != self.r_deadline[p]:
+            self.r_deadline[p] = d.wait_until
+            self._push(d.wait_until, DEADLINE, p, self.r_id[p])
+
+    def _merge(self, p: int, state: RoundState) -> None:
+        self.useful += sum(self.r_cov[p])
+        self.stats["merges"] += 1
+        self.stats["contributions"] += len(self.r_cov[p])
+        self.version[p] += 1
+        self.xi_sync.update(self.cfg.merge_s)
+        if state.quorum_at is not None and state.first_arrival is not None:
+            self.xi_quorum.update(state.quorum_at - state.first_arrival)
+        self.r_isl[p], self.r_cov[p], self.r_t[p] = [], [], []
+        self.r_id[p] += 1
+        self.r_deadline[p] = None
+
+    # --------------------------------------------------------------- islands
+    def _step_end(self, m: int, t: float) -> None:
+        self.step_ema[m].update(t - self.start[m])
+        c = self.cum[m] = self.cum[m] + self.live[m] * self.cfg.step_s
+        s = self.idx[m]
+        if self.pending[m]:  # rounds that were open when it rejoined
+            keep = []
+            for p, rid in self.pending[m]:
+                if self.r_id[p] != rid:
+                    self._refresh(m, p)
+                else:
+                    keep.append((p, rid))
+            self.pending[m] = keep
+        self._apply(m, s)
+        base = self.base[m]
+        if s % self.stride == 0:
+            p = (s // self.stride - 1) % self.P
+            cov = (c - self.mark[m][p]) / self.P
+            self.mark[m][p] = c
+            if base[p] != self.version[p]:
+                self.stats["stale"] += 1
+                self.lost_stale += cov
+            elif m in self.r_isl[p]:  # sent again before its last send merged (after a jump)
+                self.r_cov[p][self.r_isl[p].index(m)] += cov
+            else:
+                self.r_isl[p].append(m)
+                self.r_cov[p].append(cov)
+                self.r_t[p].append(t)
+                self._decide(p, t)
+            self.applyq[m].append((s + self.cfg.overlap, p))
+        self.idx[m] = s + 1
+        self._cover(self.start[m], t)
+        if self.upscale[m]:
+            self.stats["upscales"] += 1
+            self._pause(m, t, self.cfg.upscale_s)
+        else:
+            self._schedule_step(m, t)
+
+    def _apply(self, m: int, s: int) -> None:
+        """Overwrite the fragments sent tau steps before step s with their merged values."""
+        q, base = self.applyq[m], self.base[m]
+        while q and q[0][0] <= s:
+            p = q[0][1]
+            if m in self.r_isl[p]:
+                break  # its merged value is not out yet: apply it when it is
+            q.popleft()
+            base[p] = self.version[p]
+
+    def _pause(self, m: int, t: float, seconds: float) -> None:
+        self.mode[m] = PAUSE
+        self.upscale[m] = False  # slices back by then join at the resume
+        self.gen[m] += 1
+        self._push(t + seconds, RESUME, m, self.gen[m])
+
+    def _cover(self, a: float, b: float) -> None:
+        """Add a completed step [a, b] to the time in which the global model advanced.
+        Steps complete in time order, so only the newest segments can overlap."""
+        cov = self.covered
+        while cov and cov[-1][1] >= a:
+            a = min(a, cov.pop()[0])
+        cov.append([a, b])
+
+    def _resume(self, m: int, t: float) -> None:
+        for j in self.back[m]:
+            self.state[j] = IN
+        self.live[m] += len(self.back[m]) * self.S
+        self.back[m].clear()
+        if self.live[m] == 0:
+            self.mode[m] = DEAD
+            self.n_dead += 1
+            return
+        lead = self._leader()
+        waiting = [k for k in range(self.M) if self.mode[k] == WAIT]
+        if lead >= 0:  # the next step boundary of the island furthest ahead
+            at, idx = self.end[lead], self.idx[lead] + 1
+        elif waiting:  # nobody trains: start with the next island due to
+            k = min(waiting, key=lambda k: self.wait_at[k])
+            at, idx = self.wait_at[k], self.target[k]
+        else:  # alone: carry on with its own schedule
+            at, idx = t, self.idx[m]
+        if at > t:
+            self.mode[m] = WAIT
+            self.wait_at[m], self.target[m] = at, idx
+            self._push(at, START, m, self.gen[m])
+        else:
+            self._begin(m, t, idx)
+
+    def _leader(self) -> int:
+        """The training island furthest ahead in the schedule, or -1."""
+        lead = -1
+        for k in range(self.M):
+            if self.mode[k] == RUN and (lead < 0 or self.idx[k] > self.idx[lead]):
+                lead = k
+        return lead
+
+    def _begin(self, m: int, t: float, idx: int) -> None:
+        """Rejoin: take every fragment merged without this island, then train from step idx.
+
+        A fragment whose round is still open (the fleet just sent it) is taken once that
+        round merges, as an island waits for the merge of its own sends.
+        """
+        self.stats["rejoins"] += 1
+        self._apply(m, math.inf)  # merged values of its own sends
+        for p in range(self.P):
+            if m in self.r_isl[p]:
+                continue  # its own contribution: applied after the merge, as usual
+            if self.r_isl[p]:
+                self.pending[m].append((p, self.r_id[p]))
+            elif self.base[m][p] != self.version[p]:
+                self._refresh(m, p)
+        self.idx[m] = idx
+        self.mode[m] = RUN
+        self._schedule_step(m, t)
+
+    def _refresh(self, m: int, p: int) -> None:
+        """Island m overwrites fragment p with the global value: its work on p since its
+        last send is lost."""
+        c = self.cum[m]
+        self.lost_refresh += (c - self.mark[m][p]) / self.P
+        self.mark[m][p], self.base[m][p] = c, self.version[p]
+
+    def _fail(self, t: float, j: int) -> None:
+        s = self.state[j]
+        if s == AWAY:
+            return  # not running: cannot fail again
+        self.state[j] = AWAY
+        self.returns.append((t + self.cfg.repair_s, j))
+        m = self.island_of[j]
+        if s == BACK:
+            self.back[m].discard(j)
+            return
+        self.live[m] -= self.S
+        if self.mode[m] in (RUN, WAIT):  # RUN: the step in flight is lost
+            self.stats["downscales"] += 1
+            self._pause(m, t, self.cfg.detect_s + self.cfg.downscale_s)
+        # PAUSE: the pause under way handles this slice too
+
+    def _return(self, t: float, j: int) -> None:
+        m = self.island_of[j]
+        self.state[j] = BACK
+        self.back[m].add(j)
+        if self.mode[m] in (RUN, WAIT):
+            self.upscale[m] = True  # at its next step boundary
+        elif self.mode[m] == DEAD:
+            self.n_dead -= 1
+            self._pause(m, t, self.cfg.upscale_s)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, trace: Trace) -> None:
+        times, slices = trace.times.tolist(), trace.slices.tolist()
+        i, nf, horizon, heap, inf = 0, len(times), self.cfg.duration_s, self.heap, math.inf
+        returns, gen, r_id = self.returns, self.gen, self.r_id
+        while True:
+            th = heap[0][0] if heap else inf
+            tf = times[i] if i < nf else inf
+            tr = returns[0][0] if returns else inf
+            if th <= tf and th <= tr:
+                if th >= horizon:
+                    break
+                t, _, kind, a, b = heapq.heappop(heap)
+                if kind == DEADLINE:
+                    if b == r_id[a]:
+                        self.r_deadline[a] = None
+                        self._decide(a, t)
+                elif b != gen[a]:
+                    continue  # cancelled by a failure or a newer pause
+                elif kind == STEP:
+                    self._step_end(a, t)
+                elif kind == RESUME:
+                    self._resume(a, t)
+                else:
+                    self._begin(a, t, self.target[a])
+            elif tf <= tr:
+                if tf >= horizon:
+                    break
+                i += 1
+                self._fail(tf, slices[i - 1])
+            else:
+                if tr >= horizon:
+                    break
+                self._return(tr, returns.popleft()[1])
+        self._finish(horizon)
+
+    def _finish(self, horizon: float) -> None:
+        # Work still on its way into the model counts: open rounds will merge, and
+        # fresh local progress will be sent at its fragment's next turn.
+        for p in range(self.P):
+            self.useful += sum(self.r_cov[p])
+        for m in range(self.M):
+            self._apply(m, math.inf)  # merged values it has not applied yet
+            for p in range(self.P):
+                if self.base[m][p] == self.version[p] and m not in self.r_isl[p]:
+                    self.useful += (self.cum[m] - self.mark[m][p]) / self.P
+
+    def result(self, failures: int) -> SystemResult:
+        cfg = self.cfg
+        total = cfg.used_chips * cfg.duration_s
+        stats = dict(self.stats)
+        stats["lost_stale_share"] = self.lost_stale / total
+        stats["lost_rejoin_share"] = self.lost_refresh / total
+        merges = max(1, stats["merges"])
+        stats["islands_per_merge"] = stats["contributions"] / merges
+        return SystemResult(
+            system="diloco",
+            chips=cfg.used_chips,
+            islands=cfg.islands,
+            goodput=self.useful / total,
+            uptime=sum(b - a for a, b in self.covered) / cfg.duration_s,
+            failures=failures,
+            stats=stats,
+        )

@@ -1,0 +1,174 @@
+"""``ds-diloco simulate``: arguments, tables, the PNG plot and the JSON summary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from ds_diloco.simulate.config import (
+    PAPER_CHIPS,
+    PAPER_ISLANDS,
+    PUBLISHED,
+    PUBLISHED_DILOCO,
+    SYSTEMS,
+    SimConfig,
+)
+from ds_diloco.simulate.run import Result, sweep
+
+# Set by their own flags (lists, or not numbers); every other SimConfig field gets --field-name.
+_OWN = ("chips", "islands", "days", "seed", "systems")
+
+
+def parse_count(text: str) -> int:
+    """'150k' -> 150000, '1.2M' -> 1200000, '4096' -> 4096."""
+    t = text.strip().lower().replace("_", "")
+    scale = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
+    try:
+        return round(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise ValueError(f"not a count: {text!r} (write 150000, 150k or 1.2M)") from None
+
+
+def _counts(text: str) -> list[int]:
+    return [parse_count(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chips", type=_counts, default=list(PAPER_CHIPS),
+                   help="cluster sizes, comma-separated (150k,1.2M,...); default: the paper's "
+                   "150k..2.4M")  # fmt: skip
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--islands", type=_counts, default=None,
+                   help="Decoupled DiLoCo learners M, comma-separated (default 2,4,8,16)")  # fmt: skip
+    g.add_argument("--chips-per-island", type=parse_count, default=None,
+                   help="instead of --islands: M = chips // this, per cluster size")  # fmt: skip
+    p.add_argument("--days", type=float, default=SimConfig.days, help="simulated days")
+    p.add_argument("--seed", type=int, default=SimConfig.seed)
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=1, help="processes (results do not depend on it)")
+    p.add_argument("--plot", metavar="PNG", default=None, help="write goodput vs chips as a PNG")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write the results as JSON ('-': to stdout, instead of the tables)")  # fmt: skip
+    model = p.add_argument_group("model parameters (defaults: the calibrated ones)")
+    for f in dataclasses.fields(SimConfig):
+        if f.name not in _OWN:
+            model.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+                               default=None, help=f"default {f.default:g}")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    over = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(SimConfig)
+        if f.name not in _OWN and getattr(args, f.name, None) is not None
+    }
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    return SimConfig(chips=max(args.chips), days=args.days, seed=args.seed, systems=systems, **over)
+
+
+def _short(n: int) -> str:
+    if n >= 1_000_000 and n % 100_000 == 0:
+        return f"{n / 1e6:g}M"
+    if n >= 1_000 and n % 1_000 == 0:
+        return f"{n // 1000}k"
+    return str(n)
+
+
+def _nominal(chips: int, requested: list[int], slice_chips: int) -> int:
+    """The requested size a row was run for (rows hold whole slices: 150k -> 149,760)."""
+    for n in requested:
+        if n // slice_chips * slice_chips == chips:
+            return n
+    return chips
+
+
+def _published(system: str, chips: int, islands: int) -> int | None:
+    if system == "diloco":
+        return PUBLISHED_DILOCO.get((chips, islands))
+    return PUBLISHED.get(system, {}).get(chips)
+
+
+def tables(result: Result, requested: list[int], slice_chips: int) -> str:
+    """Goodput and uptime, % by cluster size; published goodput in brackets."""
+    cols = sorted({_nominal(r.chips, requested, slice_chips) for r in result.rows})
+    labels = list(dict.fromkeys(r.label for r in result.rows))
+    width = max(len(x) for x in labels) + 2
+    out = []
+    for metric in ("goodput", "uptime"):
+        note = " ([published])" if metric == "goodput" else ""
+        out.append(f"{metric} %{note}")
+        out.append(" " * width + "".join(f"{_short(c):>12}" for c in cols))
+        for label in labels:
+            cells = {}
+            for r in result.rows:
+                if r.label == label:
+                    n = _nominal(r.chips, requested, slice_chips)
+                    cell = f"{100 * getattr(r, metric):.1f}"
+                    pub = _published(r.system, n, r.islands)
+                    if metric == "goodput" and pub is not None:
+                        cell += f" [{pub}]"
+                    cells[n] = cell
+            out.append(f"{label:<{width}}" + "".join(f"{cells.get(c, '-'):>12}" for c in cols))
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    labels = list(dict.fromkeys(r.label for r in result.rows))
+    for label in labels:
+        rows = sorted((r for r in result.rows if r.label == label), key=lambda r: r.chips)
+        xs = [_nominal(r.chips, requested, slice_chips) for r in rows]
+        (line,) = ax.plot(xs, [100 * r.goodput for r in rows], marker="o", label=label)
+        pts = [(x, _published(r.system, x, r.islands)) for x, r in zip(xs, rows)]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), ls="--", marker="s", mfc="none", color=line.get_color(),
+                    label=f"{label} (published)")  # fmt: skip
+    ax.set_xscale("log")
+    sizes = sorted({_nominal(r.chips, requested, slice_chips) for r in result.rows})
+    ax.set_xticks(sizes, [_short(n) for n in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("chips")
+    ax.set_ylabel("goodput %")
+    ax.set_ylim(0, 100)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title("Goodput vs cluster size (simulated; same failure trace per size)")
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        p = argparse.ArgumentParser(prog="ds-diloco simulate", description=__doc__)
+        add_arguments(p)
+        args = p.parse_args(args)
+    cfg = config_from_args(args)
+    islands = args.islands or (list(PAPER_ISLANDS) if args.chips_per_island is None else [])
+    result = sweep(cfg, args.chips, islands, chips_per_island=args.chips_per_island, jobs=args.jobs)
+    published_diloco = [
+        {"chips": n, "islands": m, "goodput": g} for (n, m), g in PUBLISHED_DILOCO.items()
+    ]
+    doc = {**result.to_dict(), "published": {**PUBLISHED, "diloco": published_diloco}}
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(tables(result, args.chips, cfg.chips_per_slice))
+        print(f"{cfg.days:g} simulated days, seed {cfg.seed}, {result.wall_s:.1f}s wall")
+    if args.json and args.json != "-":
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(result, args.chips, cfg.chips_per_slice, args.plot)
+    return 0

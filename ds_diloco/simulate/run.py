@@ -1,0 +1,83 @@
+"""Python API: one run (every system on one failure trace) and sweeps over cluster sizes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from ds_diloco.simulate.baselines import simulate_dp, simulate_elastic
+from ds_diloco.simulate.config import SimConfig
+from ds_diloco.simulate.diloco import simulate_diloco
+from ds_diloco.simulate.result import SystemResult
+from ds_diloco.simulate.trace import failure_trace
+
+_RUNNERS = {"dp": simulate_dp, "elastic": simulate_elastic, "diloco": simulate_diloco}
+
+
+@dataclass
+class Result:
+    """Systems side by side; ``rows`` in the order the systems were run."""
+
+    rows: list[SystemResult]
+    configs: list[dict] = field(default_factory=list)
+    """The configs that produced the rows (one per cluster size, islands as run)."""
+    wall_s: float = 0.0
+    """Seconds the simulation took on this machine."""
+
+    def get(self, system: str, chips: int | None = None, islands: int | None = None):
+        """The one row matching; KeyError if none."""
+        for r in self.rows:
+            if r.system == system and chips in (None, r.chips) and islands in (None, r.islands):
+                return r
+        raise KeyError(f"no result for {system} chips={chips} islands={islands}")
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": [r.to_dict() for r in self.rows],
+            "configs": self.configs,
+            "wall_s": self.wall_s,
+        }
+
+
+def simulate(cfg: SimConfig) -> Result:
+    """Run ``cfg.systems`` on one failure trace drawn from ``cfg``."""
+    t0 = time.perf_counter()
+    trace = failure_trace(cfg)
+    rows = [_RUNNERS[s](cfg, trace) for s in cfg.systems]
+    return Result(rows=rows, configs=[cfg.to_dict()], wall_s=time.perf_counter() - t0)
+
+
+def sweep(
+    cfg: SimConfig,
+    chips: Iterable[int],
+    islands: Iterable[int] = (),
+    *,
+    chips_per_island: int | None = None,
+    jobs: int = 1,
+) -> Result:
+    """Every cluster size in ``chips``: the baselines once, DiLoCo once per M in ``islands``
+    (or M = chips // ``chips_per_island``; ``cfg.islands`` when neither is given), each size
+    on its own trace drawn with ``cfg.seed``, so every M at one size sees the same failures.
+
+    ``jobs`` > 1 runs the pieces in that many processes; results do not depend on it.
+    """
+    t0 = time.perf_counter()
+    islands = tuple(islands)
+    tasks: list[SimConfig] = []
+    for n in chips:
+        base = tuple(s for s in cfg.systems if s != "diloco")
+        if base:
+            tasks.append(cfg.replace(chips=n, systems=base))
+        if "diloco" in cfg.systems:
+            ms = (n // chips_per_island,) if chips_per_island else islands or (cfg.islands,)
+            tasks += [cfg.replace(chips=n, islands=m, systems=("diloco",)) for m in ms]
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            parts = list(pool.map(simulate, tasks))
+    else:
+        parts = [simulate(c) for c in tasks]
+    rows = [r for part in parts for r in part.rows]
+    configs = [c for part in parts for c in part.configs]
+    return Result(rows=rows, configs=configs, wall_s=time.perf_counter() - t0)

@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ds_diloco import round_policy
+from ds_diloco.cli import main as cli_main
+from ds_diloco.fragments import Schedule
+from ds_diloco.simulate import PAPER_CHIPS, PUBLISHED, SimConfig, failure_trace, simulate
+from ds_diloco.simulate.baselines import simulate_dp, simulate_elastic
+from ds_diloco.simulate.report import parse_count
+
+# Small and short: every test below runs in well under a second.
+SMALL = {"chips": 150_000, "islands": 4, "days": 0.1}
+
+
+def _goodput(result) -> dict[str, float]:
+    return {r.system: r.goodput for r in result.rows}
+
+
+def test_no_failures_no_jitter_is_full_goodput_for_every_system():
+    cfg = SimConfig(**SMALL, chip_mtbi_s=math.inf, step_cv=0.0)
+    result = simulate(cfg)
+    assert [r.system for r in result.rows] == ["dp", "elastic", "diloco"]
+    # Only the step cut off by the end of the run is missing.
+    tol = 1.5 * cfg.step_s / cfg.duration_s
+    for r in result.rows:
+        assert r.failures == 0
+        assert r.goodput == pytest.approx(1.0, abs=tol), r.system
+        assert r.uptime == pytest.approx(1.0, abs=tol), r.system
+
+
+def test_no_failures_with_jitter_costs_every_system_the_slowest_chip():
+    # Waiting for the slowest chip is not goodput; DiLoCo's smaller groups wait a bit less.
+    result = simulate(SimConfig(**SMALL, chip_mtbi_s=math.inf, step_cv=0.01))
+    g = _goodput(result)
+    assert 0.9 < g["dp"] < 0.97
+    assert g["dp"] == pytest.approx(g["elastic"], abs=1e-3)
+    assert g["dp"] < g["diloco"] < g["dp"] + 0.01
+
+
+def test_one_island_without_quorum_wait_behaves_like_elastic_data_parallel():
+    cfg = SimConfig(chips=600_000, islands=1, days=0.5, grace_gamma=0.0)
+    result = simulate(cfg)
+    elastic, diloco = result.get("elastic"), result.get("diloco")
+    assert elastic.goodput < 0.8  # failures do matter at this size
+    assert diloco.goodput == pytest.approx(elastic.goodput, abs=0.002)
+    assert diloco.uptime == pytest.approx(elastic.uptime, abs=0.002)
+    # Same failures, same pauses (a step's jitter can move a failure into or out of a pause).
+    assert abs(diloco.stats["downscales"] - elastic.stats["downscales"]) <= 3
+    assert diloco.stats["stale"] == 0
+
+
+def test_goodput_falls_monotonically_with_the_failure_rate():
+    year = 365.25 * 86400
+    rows = [
+        _goodput(simulate(SimConfig(**SMALL, chip_mtbi_s=mtbi)))
+        for mtbi in (math.inf, 4 * year, year, year / 4, year / 16)
+    ]
+    for system in ("dp", "elastic", "diloco"):
+        series = [r[system] for r in rows]
+        assert all(a > b for a, b in itertools.pairwise(series)), (system, series)
+
+
+def test_fixed_seed_reproduces_the_trace_and_the_results():
+    cfg = SimConfig(**SMALL)
+    a, b = failure_trace(cfg), failure_trace(cfg)
+    assert len(a) > 0
+    np.testing.assert_array_equal(a.times, b.times)
+    np.testing.assert_array_equal(a.slices, b.slices)
+    assert a.away == b.away and len(a.away) > 0
+    other = failure_trace(cfg.replace(seed=1))
+    assert len(other) != len(a) or not np.array_equal(other.times, a.times)
+    assert simulate(cfg).to_dict()["rows"] == simulate(cfg).to_dict()["rows"]
+
+
+def test_failure_trace_is_cluster_wide_poisson():
+    cfg = SimConfig(chips=1_200_000, days=1.0)
+    trace = failure_trace(cfg)
+    expected = cfg.used_chips / cfg.chip_mtbi_s * cfg.duration_s  # about 3,300
+    assert abs(len(trace) - expected) < 4 * math.sqrt(expected)
+    assert np.all(np.diff(trace.times) >= 0)
+    assert trace.slices.min() >= 0 and trace.slices.max() < cfg.slices
+
+
+def test_rounds_are_closed_by_the_coordinators_policy(monkeypatch):
+    calls = []
+    real = round_policy.decide
+
+    def spy(now, state, opts):
+        calls.append((state, opts))
+        return real(now, state, opts)
+
+    monkeypatch.setattr(round_policy, "decide", spy)
+    cfg = SimConfig(**SMALL)
+    result = simulate(cfg.replace(systems=("diloco",)))
+    assert len(calls) >= result.rows[0].stats["merges"] > 0
+    assert all(opts == cfg.policy for _, opts in calls)
+    assert {s.live_islands for s, _ in calls} <= set(range(cfg.islands + 1))
+
+    # A policy that merges on the first arrival leaves the other islands' uploads stale.
+    monkeypatch.setattr(
+        round_policy, "decide", lambda now, state, opts: round_policy.Decision(True, None, "now")
+    )
+    eager = simulate(cfg.replace(systems=("diloco",))).rows[0]
+    assert eager.stats["islands_per_merge"] < 1.5
+    assert eager.goodput < result.rows[0].goodput - 0.3
+
+
+def test_grace_window_picks_up_islands_that_arrive_after_the_first():
+    # With chip jitter the islands' uploads land milliseconds apart: K=1 without grace
+    # merges the first alone and the rest are stale; the grace window keeps them.
+    cfg = SimConfig(**SMALL, systems=("diloco",), step_cv=0.01)
+    with_grace = simulate(cfg).rows[0]
+    without = simulate(cfg.replace(grace_gamma=0.0)).rows[0]
+    assert with_grace.stats["islands_per_merge"] > cfg.islands - 1
+    assert without.stats["islands_per_merge"] < 1.5
+    assert with_grace.goodput > without.goodput + 0.3
+
+
+def test_send_schedule_matches_the_islands_fragment_schedule():
+    cfg = SimConfig(num_fragments=4, sync_every=8, overlap=2)
+    sched = Schedule(sync_every=8, num_fragments=4, overlap=2)
+    stride = cfg.sync_every // cfg.num_fragments
+    for s in range(1, 50):
+        mine = (s // stride - 1) % cfg.num_fragments if s % stride == 0 else None
+        assert mine == sched.due(s)
+
+
+# The goal is 3 points on every published cell. Data-parallel at 600k and 2.4M misses it
+# (3.6 and 3.7 points off): a known miss, kept visible as a strict xfail (the next test
+# shows why no restart time fits both).
+DP_MISSED = {600_000, 2_400_000}
+
+
+@pytest.mark.parametrize(
+    ("system", "n"),
+    [
+        pytest.param(system, n, marks=pytest.mark.xfail(
+            strict=True, reason="goal missed: 3.6-3.7 points off, see the next test"))
+        if system == "dp" and n in DP_MISSED else (system, n)
+        for system in ("dp", "elastic")
+        for n in PAPER_CHIPS
+    ],
+)  # fmt: skip
+def test_calibrated_baselines_are_within_3_points_of_the_published_table(system, n):
+    cfg = SimConfig(chips=n)  # the calibrated defaults, a simulated week
+    trace = failure_trace(cfg)
+    run = simulate_dp if system == "dp" else simulate_elastic
+    got = 100 * run(cfg, trace).goodput
+    assert abs(got - PUBLISHED[system][n]) <= 3.0, (system, n, got)
+
+
+def test_no_restart_time_puts_data_parallel_within_3_points_at_both_600k_and_2_4m():
+    # The published row falls less from 600k (38) to 2.4M (18) than a fixed restart cost
+    # allows once a failure also loses the step in flight: 600k needs a restart of at
+    # least ~52 s, 2.4M at most ~47 s. Goodput falls with the restart time, so checking
+    # 40..60 s covers every value.
+    traces = {n: failure_trace(SimConfig(chips=n)) for n in (600_000, 2_400_000)}
+    for restart in (40.0, 45.0, 50.0, 55.0, 60.0):
+        errors = [
+            100 * simulate_dp(SimConfig(chips=n, restart_s=restart), traces[n]).goodput
+            - PUBLISHED["dp"][n]
+            for n in traces
+        ]
+        assert max(abs(e) for e in errors) > 3.0, (restart, errors)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"islands": 0}, "islands"),
+        ({"chips": 100, "chips_per_slice": 256}, "chips"),
+        ({"chips": 2048, "islands": 9}, "islands"),
+        ({"sync_every": 25}, "sync_every"),
+        ({"overlap": 24}, "overlap"),
+        ({"detect_s": -1.0}, "detect_s"),
+        ({"step_s": 0.0}, "step_s"),
+        ({"systems": ("dp", "ring")}, "systems"),
+        ({"grace_gamma": 1.0}, "grace_gamma"),
+    ],
+)
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        SimConfig(**changes)
+
+
+def test_parse_count():
+    assert parse_count("150k") == 150_000
+    assert parse_count("1.2M") == 1_200_000
+    assert parse_count("4096") == 4096
+    with pytest.raises(ValueError, match="not a count"):
+        parse_count("many")
+
+
+def test_cli_writes_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    rc = cli_main(
+        ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--days", "0.05",
+         "--json", str(out), "--plot", str(png), "--detect-s", "12"]
+    )  # fmt: skip
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "Decoupled DiLoCo, M=4" in table and "[72]" in table and "uptime %" in table
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 2 * (2 + 2)  # 2 sizes x (2 baselines + 2 DiLoCo)
+    assert {c["detect_s"] for c in doc["configs"]} == {12.0}
+    assert doc["published"]["dp"]["150000"] == 72
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
+    assert cli_main(["simulate", "--chips", "150k", "--days", "-1"]) == 2
+    assert "SimConfig.days" in capsys.readouterr().err
