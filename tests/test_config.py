@@ -43,7 +43,9 @@ ALL_LAUNCH_YAML = sorted((REPO / "launch").rglob("*.yaml"))
 RUN_FILES = [p for p in ALL_LAUNCH_YAML if "islands" in yaml.safe_load(p.read_text())]
 # Island configs (ds-diloco island) name their island.
 ISLAND_FILES = [p for p in ALL_LAUNCH_YAML if "island" in yaml.safe_load(p.read_text())]
-LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES + ISLAND_FILES]
+# Fault schedules (ds-diloco chaos --schedule) list events.
+SCHEDULE_FILES = [p for p in ALL_LAUNCH_YAML if "events" in yaml.safe_load(p.read_text())]
+LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES + ISLAND_FILES + SCHEDULE_FILES]
 BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
 
 MINIMAL = {"model": {"config": "/models/m.json"}, "state_dir": "/state"}
@@ -197,6 +199,16 @@ def test_gpu_deepspeed_configs_train_in_bf16(name, deepspeed_on_cpu):
         assert all(o is not None and o.device == "cpu" and o.pin_memory for o in offload)
     else:
         assert offload == [None, None]
+
+
+@pytest.mark.parametrize("path", SCHEDULE_FILES, ids=lambda p: p.name)
+def test_launch_fault_schedule_loads_and_fits_its_run_file(path):
+    from ds_diloco.chaos.schedule import Schedule
+
+    schedule = Schedule.from_file(path)
+    assert len(schedule) > 0
+    run = load_run_config(path.parent / "chaos.yaml")
+    schedule.check_targets({s.name: s.world_size for s in run.islands})
 
 
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)
