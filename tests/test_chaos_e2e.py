@@ -64,6 +64,10 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     back = next(s for s in samples if s["islands"].get("b", {}).get("registrations") == 2)
     assert r["islands"]["b"]["merged"] > back["islands"]["b"]["merged"]
     assert r["islands"]["b"]["registrations"] == 2
+    # Its second launch resumed from its DeepSpeed checkpoint, not from step 0.
+    records = (tmp_path / "chaos" / "islands" / "b" / "progress.jsonl").read_text().splitlines()
+    starts = [json.loads(x) for x in records if "started_at" in x]
+    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] >= 20, starts
     # It learned despite all that.
     assert r["heldout_loss_merged"] < r["heldout_loss_initial"] - 0.3, r
     assert r["goodput"] is not None and 0 < r["goodput"] <= 1
