@@ -84,7 +84,7 @@ class _Slot:
     steps: int = 0
     sent_step: int | None = None  # step of the upload whose result we wait for
     refetch: bool = False  # behind the island's other ranks: fetch a newer version
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # base's memory
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # base memory
 
     @property
     def arrived(self) -> bool:
@@ -217,49 +217,60 @@ class FragmentSyncer:
             for frag, slot in zip(self.plan.fragments, self.slots)
             if slot.sent_step is not None and step >= self.schedule.apply_at(slot.sent_step)
         ]
-        applied = []
-        if due:
-            with self._lock:
-                held = [slot.version if slot.arrived else -1 for _, slot in due]
-            t0 = time.perf_counter()
-            lows, highs = self.agree(held)
-            self.stats.agree_s += time.perf_counter() - t0
-            for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
-                if lo == hi >= 0:  # every rank holds the same new version: apply it now
-                    # An arrived version is not written to again until applied: no wait here.
-                    with slot.lock:
-                        self._apply(frag, slot, blend=True)
-                    slot.sent_step = None
-                    applied.append(frag.index)
-                elif 0 <= h < hi:  # behind another rank: fetch again
-                    with self._lock:
-                        slot.refetch = True
-            self._flush()
         p = self.schedule.due(step)
-        if p is not None:
-            self._send(self.plan.fragments[p], step)
+        send = self.slots[p] if p is not None else None
+        # The fragment due now is sent only if every rank's base holds the version its local
+        # values started from (none has a newer one waiting to be applied, or a download
+        # writing it): the ranks decide together, in the same collective as the applies, so
+        # an island never sends half a contribution. Holding the slot's lock from here on
+        # keeps the downloader from starting to write it.
+        locked = send is not None and send.lock.acquire(blocking=False)
+        try:
+            flag = []
+            if send is not None:
+                with self._lock:
+                    ok = locked and send.version == send.applied >= 0 and not send.refetch
+                flag = [1 if ok else 0]
+            applied = []
+            send_ok = send is not None
+            if due or flag:
+                with self._lock:
+                    held = [slot.version if slot.arrived else -1 for _, slot in due]
+                t0 = time.perf_counter()
+                lows, highs = self.agree(held + flag)
+                self.stats.agree_s += time.perf_counter() - t0
+                for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
+                    if lo == hi >= 0:  # every rank holds the same new version: apply it now
+                        # An arrived version is not written to again until applied: no wait.
+                        with slot.lock:
+                            self._apply(frag, slot, blend=True)
+                        slot.sent_step = None
+                        applied.append(frag.index)
+                    elif 0 <= h < hi:  # behind another rank: fetch again
+                        with self._lock:
+                            slot.refetch = True
+                self._flush()
+                # Applied just now on every rank, or usable on every rank.
+                send_ok = send is not None and (p in applied or lows[-1] == 1)
+            if send is not None:
+                self._send(self.plan.fragments[p], step, send_ok)
+        finally:
+            if locked:
+                send.lock.release()
         return applied
 
-    def _send(self, frag: Fragment, step: int) -> None:
+    def _send(self, frag: Fragment, step: int, ok: bool) -> None:
         slot = self.slots[frag.index]
         # Every rank marks the send, uploaded or not, so that the ranks' due steps agree.
         slot.sent_step = step
-        # The base must be the version the local values started from, and no download may
-        # be writing it; otherwise this rank skips the upload (the contribution is then
-        # incomplete and never counts; the next send of the fragment carries its progress).
-        if not slot.lock.acquire(blocking=False):
+        if not ok:  # decided by the whole island (on_step): the next send carries the progress
             self.stats.skipped += 1
             return
-        try:
-            with self._lock:
-                usable = slot.version == slot.applied >= 0 and not slot.refetch
-            if not usable:
-                self.stats.skipped += 1
-                return
+        # No download writes this base now: the caller holds its lock, or it was applied
+        # this step (a download only writes a slot that waits for a result).
+        with slot.lock:
             # On the host whatever device the shard lives on (the base copy is host memory).
             delta = {n: slot.base[n] - self.access.read(n).cpu() for n in frag.names}
-        finally:
-            slot.lock.release()
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,

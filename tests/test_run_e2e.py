@@ -69,6 +69,7 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     board.Reload()
     tags = set(board.Tags()["scalars"])
     assert {"loss/a", "loss/b", "run/goodput", "run/merges"} <= tags, tags
+    uploads = {"a": [], "b": []}
     for name in ("a", "b"):
         for rank in (0, 1):
             s = json.loads((workdir / "islands" / name / f"summary-rank{rank}.json").read_text())
@@ -76,9 +77,15 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
             # No rank ever waits on the network in its training loop: every request came
             # from the syncer's threads, and the per-step sync work stayed small.
             assert s["stats"]["network_calls_in_loop"] == 0, s
-            assert s["stats"]["uploads"] == 24 and s["stats"]["failed"] == 0, s
+            # Every step's fragment was uploaded, or skipped by the whole island together
+            # (its result had reached only some ranks by its next send).
+            assert s["stats"]["uploads"] + s["stats"]["skipped"] == 24, s
+            assert s["stats"]["skipped"] <= 3 and s["stats"]["failed"] == 0, s
+            uploads[name].append(s["stats"]["uploads"])
             assert s["sync_s"] < 0.25 * s["train_s"], s
             assert s["heldout_loss_end"] < s["heldout_loss_start"], s
+
+    assert all(a == b for a, b in uploads.values()), uploads  # never half a contribution
 
     # The exported folder is the coordinator's model, exactly.
     _, tensors = load_global_tensors(workdir / "state")
