@@ -30,11 +30,11 @@ from ds_diloco.sharding import shard_slice
 MICRO_BATCH, SEQ = 2, 16
 
 
-def engine_for(spec: dict, seed: int):
+def engine_for(spec: dict, seed: int, model: ModelSource | None = None):
     """A ZeRO-3 engine built as an island builds it (the project's DeepSpeed config file)."""
     cfg = IslandConfig(
         island="test", coordinator_url="http://127.0.0.1:1",
-        model=ModelSource(config=spec["model_config"], seed=seed),
+        model=model or ModelSource(config=spec["model_config"], seed=seed),
         deepspeed_config=spec["deepspeed_config"], data=DataConfig(path="unused"),
         train=TrainConfig(micro_batch=MICRO_BATCH, lr=spec["lr"], weight_decay=spec["weight_decay"]),
     )  # fmt: skip
@@ -163,11 +163,19 @@ def scenario_syncer(spec, rank, world):
     return out
 
 
+def scenario_pretrained(spec, rank, world):
+    """Fine-tuning start: an engine partitioned from a pretrained folder, and its first forward."""
+    engine = engine_for(spec, 0, ModelSource(pretrained=spec["pretrained"]))
+    ids, _ = batch(spec["write_batch_seed"], spec["vocab"])
+    return {"ids": ids, "logits": logits(engine, ids), "full": zero.gather_full_params(engine)}
+
+
 SCENARIOS = {
     "minmax": scenario_minmax,
     "shards": scenario_shards,
     "write": scenario_write,
     "syncer": scenario_syncer,
+    "pretrained": scenario_pretrained,
 }
 
 

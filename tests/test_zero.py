@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.coordinator import Coordinator
 from ds_diloco.hf_model import build_model, lm_loss
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
@@ -124,6 +125,8 @@ def island(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
     model_config = out / "odd-llama.json"
     model_config.write_text(json.dumps(ODD_LLAMA))
+    pretrained = out / "pretrained"  # a fine-tuning start: a saved HF model, other weights
+    build_model(ModelSource(config=str(model_config), seed=77)).save_pretrained(pretrained)
     cfg = CoordinatorConfig(
         model=ModelSource(config=str(model_config), seed=0), state_dir=str(out / "state"),
         num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
@@ -131,7 +134,8 @@ def island(tmp_path_factory):
     )  # fmt: skip
     with ServerThread(cfg) as srv:
         spec = {
-            "scenarios": ["minmax", "shards", "write", "syncer"],
+            "scenarios": ["minmax", "shards", "write", "syncer", "pretrained"],
+            "pretrained": str(pretrained),
             "model_config": str(model_config),
             "deepspeed_config": str(DS_CONFIG),
             "vocab": ODD_LLAMA["vocab_size"],
@@ -263,3 +267,23 @@ def test_syncer_bootstrap_and_apply_on_a_zero3_island(island):
             assert torch.equal(out["full"][n], now[n]), f"{n} rank {r}"
     for out in res:
         assert out["stats"]["uploads"] == 2 and out["stats"]["failed"] == 0, out["stats"]
+
+
+def test_fine_tuning_starts_from_the_pretrained_folder(island, tmp_path):
+    """The coordinator's initial tensors are the checkpoint's, and an island partitioned
+    from it (never a full copy per rank) gives the plain HF model's first forward."""
+    from transformers import AutoModelForCausalLM
+
+    folder = island.spec["pretrained"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    coord = Coordinator(CoordinatorConfig(model=ModelSource(pretrained=folder),
+                                          state_dir=str(tmp_path / "s"), num_fragments=2,
+                                          sync_every=2, policy=PolicyOptions(tau=1)))  # fmt: skip
+    got = coord.global_tensors()
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    for r in island.both("pretrained"):
+        assert all(torch.equal(r["full"][n], want[n]) for n in want)
+        with torch.no_grad():
+            expected = model(input_ids=r["ids"]).logits
+        assert torch.allclose(r["logits"], expected, atol=1e-5, rtol=1e-5)
