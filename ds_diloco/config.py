@@ -309,6 +309,12 @@ class RunConfig:
     """Export the merged model as a Hugging Face folder at the end (workdir/export)."""
     prompt: str = "ROMEO:"
     """Prompt of the sample generated from the exported model."""
+    export_every_merges: int = 0
+    """While the run goes on, export the live global model (one consistent set of served
+    versions, with a model card) every this many merges, summed over fragments, into
+    ``workdir/exports/merges-<n>``; 0: never."""
+    push_to_hub: str | None = None
+    """A Hugging Face Hub repo each periodic export is pushed to (one commit each)."""
     max_restarts: int = 5
     """An island whose rank dies is torn down and restarted at most this many times."""
     restart_backoff_s: float = 1.0
@@ -320,6 +326,8 @@ class RunConfig:
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):
             raise ValueError(f"islands: names must be unique, got {names}")
+        if self.export_every_merges < 0:
+            raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("max_restarts and restart_backoff_s must be >= 0")
 

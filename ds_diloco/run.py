@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -264,6 +265,51 @@ def _status_or_none(client: CoordinatorClient) -> dict | None:
         return None
 
 
+class PeriodicExport:
+    """Exports (and pushes) the live global model every ``export_every_merges`` merges, one
+    at a time, in a background thread: the run never waits for it."""
+
+    def __init__(self, cfg: RunConfig, lr: LocalRun):
+        self.cfg, self.lr = cfg, lr
+        self.every = cfg.export_every_merges
+        self.next = self.every
+        self.thread: threading.Thread | None = None
+        self.done: list[str] = []
+
+    def maybe(self, status: dict | None) -> None:
+        if not self.every or status is None or sum(status["merges"]) < self.next:
+            return
+        if self.thread is not None and self.thread.is_alive():
+            return  # the previous one is still writing: catch up at the next print
+        merges = sum(status["merges"])
+        self.next = (merges // self.every + 1) * self.every
+        self.thread = threading.Thread(target=self._export, args=(merges,), daemon=True)
+        self.thread.start()
+
+    def _export(self, merges: int) -> None:
+        from ds_diloco.data import tokenizer_dir
+        from ds_diloco.export import export
+
+        d = self.cfg.data
+        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
+        out = self.lr.workdir / "exports" / f"merges-{merges}"
+        try:
+            export(self.lr.url, out, token=self.lr.token, tokenizer=tok, repo=self.cfg.push_to_hub)
+            if self.cfg.push_to_hub:
+                from ds_diloco.hub import push_folder
+
+                push_folder(out, self.cfg.push_to_hub)
+            self.done.append(str(out))
+            print(f"[export] {out}" + (f" -> {self.cfg.push_to_hub}" if self.cfg.push_to_hub
+                                       else ""), flush=True)  # fmt: skip
+        except Exception as e:  # a failed export must not stop the run
+            print(f"[export] at {merges} merges failed: {e}", flush=True)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=600)
+
+
 class Board:
     """TensorBoard scalars of a run: each island's loss (every progress record), goodput,
     uptime and merges (at every progress print)."""
@@ -366,15 +412,20 @@ def run(cfg: RunConfig) -> int:
         print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
         next_print = time.monotonic()
         board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
+        exports = PeriodicExport(cfg, lr)
         while not lr.finished():
             lr.supervise()
             if time.monotonic() >= next_print:
                 print(lr.progress_line(client), flush=True)
-                board.write(_status_or_none(client))
+                status = _status_or_none(client)
+                board.write(status)
+                exports.maybe(status)
                 next_print += PROGRESS_EVERY_S
             time.sleep(0.2)
         print(lr.progress_line(client), flush=True)
         final_status = _status_or_none(client)
+        exports.maybe(final_status)  # a short run may cross its first export only at the end
+        exports.join()
         board.write(final_status)
         board.close()
         failed = lr.failed_islands()

@@ -46,6 +46,8 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
         tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 2}],
         steps=24,
     )  # fmt: skip
+    run = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({**run, "export_every_merges": 8}))  # periodic exports
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
@@ -86,6 +88,11 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
             assert s["heldout_loss_end"] < s["heldout_loss_start"], s
 
     assert all(a == b for a, b in uploads.values()), uploads  # never half a contribution
+
+    # Exported while the run went on: Hugging Face folders with a model card.
+    exports = sorted((workdir / "exports").glob("merges-*"))
+    assert exports and all((e / "README.md").exists() for e in exports), proc.stdout[-2000:]
+    AutoModelForCausalLM.from_pretrained(exports[0], dtype=torch.float32)
 
     # The exported folder is the coordinator's model, exactly.
     _, tensors = load_global_tensors(workdir / "state")
