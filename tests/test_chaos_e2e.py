@@ -28,7 +28,7 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
         "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 64,
                  "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
         "train": {"steps": 300, "micro_batch": 4, "lr": 3e-3, "log_every": 10,
-                  "checkpoint_every": 20},
+                  "checkpoint_every": 5},
         "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
         "coordinator": {"num_fragments": 4, "sync_every": 4, "island_timeout_s": 3.0,
                         "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1}},
@@ -67,7 +67,7 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     # Its second launch resumed from its DeepSpeed checkpoint, not from step 0.
     records = (tmp_path / "chaos" / "islands" / "b" / "progress.jsonl").read_text().splitlines()
     starts = [json.loads(x) for x in records if "started_at" in x]
-    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] >= 20, starts
+    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] >= 5, starts
     # It learned despite all that.
     assert r["heldout_loss_merged"] < r["heldout_loss_initial"] - 0.3, r
     assert r["goodput"] is not None and 0 < r["goodput"] <= 1
