@@ -110,6 +110,7 @@ class Watcher:
         self.changed: list[dict] = []  # a served (fragment, version) seen again with other values
         self.advances: list[tuple[float, int]] = []  # (time, fragment) of every version seen
         self.samples: list[dict] = []  # (time, islands' registrations and merges)
+        self._recheck = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-watcher", daemon=True)
         self.t0 = time.monotonic()
@@ -133,14 +134,19 @@ class Watcher:
                         k: {"registrations": v["registrations"], "merged": v["merged"],
                             "live": v["live"]} for k, v in st["islands"].items()}})  # fmt: skip
                     last_status = time.monotonic()
-            except Exception:  # the coordinator is down or restarting
+            except Exception:  # the coordinator is down or restarting: check everything after
+                self._recheck = True
                 continue
 
     def poll(self) -> None:
+        """Hash a fragment's values when its version changes, and all of them once the
+        coordinator answers again after an outage (a restart may serve a seen version)."""
         versions = self.client.versions()
         now = time.monotonic() - self.t0
         if self.max_seen is None:
             self.max_seen = [-1] * len(versions)
+            self._last = [-1] * len(versions)
+        recheck, self._recheck = self._recheck, False
         for f, v in enumerate(versions):
             if v < self.max_seen[f]:
                 self.backwards.append({"t": now, "fragment": f, "was": self.max_seen[f], "now": v})
@@ -148,7 +154,9 @@ class Watcher:
                 if self.max_seen[f] >= 0:
                     self.advances.append((now, f))
                 self.max_seen[f] = v
-            self._check_values(f)
+            if recheck or v != self._last[f]:
+                self._check_values(f)
+                self._last[f] = v
 
     def _check_values(self, f: int) -> None:
         got = self.client.download(f, 1, 0)
