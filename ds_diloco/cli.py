@@ -30,7 +30,7 @@ def _run(args) -> int:
     from ds_diloco.config import load_run_config
     from ds_diloco.run import run
 
-    return run(load_run_config(args.file))
+    return run(load_run_config(args.file), resume=args.resume)
 
 
 def _bench(args) -> int:
@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="a whole run on this machine: coordinator + islands")
     r.add_argument("file", help="YAML/JSON run file (see launch/demo.yaml)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue a stopped run: the coordinator from workdir/state, each island "
+                   "from its last checkpoint (train.checkpoint_every)")  # fmt: skip
     r.set_defaults(fn=_run)
 
     ch = sub.add_parser("chaos", help="a whole local run under injected faults, with a report")

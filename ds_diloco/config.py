@@ -296,7 +296,8 @@ class RunConfig:
     deepspeed_config: str
     """The islands' DeepSpeed ZeRO-3 config."""
     data: DataConfig
-    """The text; islands train on disjoint shards of it."""
+    """The text; islands train on disjoint shards of it. With ``model.pretrained`` and no
+    ``data.tokenizer``, the pretrained folder's own tokenizer is used."""
     islands: tuple[IslandSpec, ...]
     """The islands and their world sizes."""
     coordinator: CoordinatorConfig
@@ -330,6 +331,9 @@ class RunConfig:
             raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("max_restarts and restart_backoff_s must be >= 0")
+        if self.model.pretrained and self.data.tokenizer is None:  # not a BPE trained anew
+            data = dataclasses.replace(self.data, tokenizer=self.model.pretrained)
+            object.__setattr__(self, "data", data)
 
 
 def from_dict(cls, data: Any, where: str = ""):

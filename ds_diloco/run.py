@@ -12,6 +12,12 @@ Layout of the run's workdir::
     islands/<name>/       island.json, log.txt, progress.jsonl, summary-rank<r>.json
     export/               the merged model as a Hugging Face folder
     summary.json          what the run did
+
+``ds-diloco run FILE --resume`` continues a stopped run from ``state/`` (the coordinator
+resumes at its served versions, merges and outer momentum) and each island's last
+DeepSpeed checkpoint (``islands/<name>/checkpoints``, written every
+``train.checkpoint_every`` steps: AdamW state, step, tokens, data position); islands
+that had finished are not started again.
 """
 
 from __future__ import annotations
@@ -366,6 +372,31 @@ def _wait(p: subprocess.Popen, timeout: float) -> None:
         p.wait(timeout=10)
 
 
+def resume_point(cfg: RunConfig) -> dict:
+    """What ``--resume`` continues from, per island: ``{"done": True}`` (finished: not
+    started again) or ``{"step": N}`` (its last checkpoint; 0: none, its inner loop starts
+    over from the current global model). Raises ValueError when there is nothing to resume."""
+    from ds_diloco.state_store import StateStore
+
+    state_dir = Path(cfg.coordinator.state_dir)
+    if not StateStore(state_dir).exists():
+        raise ValueError(
+            f"nothing to resume: {str(state_dir)!r} holds no coordinator state (coordinator.json); "
+            "start the run without --resume"
+        )
+    out = {}
+    for spec in cfg.islands:
+        d = Path(cfg.workdir) / "islands" / spec.name
+        done = d / "summary-rank0.json"
+        if done.is_file() and json.loads(done.read_text()).get("steps", 0) >= cfg.train.steps:
+            out[spec.name] = {"done": True}
+            continue
+        latest = d / "checkpoints" / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        out[spec.name] = {"step": int(tag[4:]) if tag.startswith("step") else 0}
+    return out
+
+
 def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> dict:
     """Held-out loss of the initial and the merged model, and a sample from the merged one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -391,11 +422,13 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
     return out
 
 
-def run(cfg: RunConfig) -> int:
+def run(cfg: RunConfig, resume: bool = False) -> int:
+    """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
     from ds_diloco.data import heldout_split, prepare_corpus, tokenizer_dir
     from ds_diloco.export import export_model, load_global_tensors
 
-    lr = LocalRun(cfg)
+    point = resume_point(cfg) if resume else None
+    lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
     print(f"preparing data from {d.path} ...", flush=True)
     _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
@@ -407,12 +440,26 @@ def run(cfg: RunConfig) -> int:
     try:
         client = lr.start_coordinator()
         print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
-        lr.start_islands()
+        board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
+        exports = PeriodicExport(cfg, lr)
+        if point is None:
+            lr.start_islands()
+        else:
+            st = client.status()
+            where = {n: "finished" if p.get("done") else f"from step {p['step']}"
+                     for n, p in point.items()}  # fmt: skip
+            print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
+                  f"islands {where}", flush=True)  # fmt: skip
+            if exports.every:  # the next export after the merges made already
+                exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
+            board.read = {p.parent.name: p.stat().st_size  # records already on the board
+                          for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
+            for shard, spec in enumerate(cfg.islands):
+                if not point[spec.name].get("done"):
+                    lr.start_island(spec, shard, len(cfg.islands))
         sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
         print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
         next_print = time.monotonic()
-        board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
-        exports = PeriodicExport(cfg, lr)
         while not lr.finished():
             lr.supervise()
             if time.monotonic() >= next_print:
@@ -440,6 +487,8 @@ def run(cfg: RunConfig) -> int:
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts}  # fmt: skip
+    if point is not None:
+        summary["resumed_from"] = point
     if code != 130 and final_status is not None:
         summary["goodput"] = final_status["run"]["goodput"]
         summary["uptime"] = final_status["run"]["uptime"]

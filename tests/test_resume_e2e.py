@@ -1,0 +1,136 @@
+"""Resuming a whole run, and starting a run from another run's export (real processes).
+
+``ds-diloco run FILE`` is stopped with Ctrl-C half-way; ``ds-diloco run FILE --resume``
+continues it: the coordinator at the versions, merges and outer momentum of its state
+directory, every island from its last DeepSpeed checkpoint (step, tokens, AdamW state,
+data position). Then the run's export is the pretrained model of a second run, whose
+coordinator starts from exactly the first run's final tensors. About 1.5 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.coordinator import Coordinator
+from ds_diloco.export import load_global
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 100
+TOKENS_PER_STEP = 4 * 32  # micro_batch x seq_len, world size 1
+
+
+def write_run_file(tmp_path, name, model, steps, **train) -> Path:
+    run = {
+        "workdir": str(tmp_path / name),
+        "model": model,
+        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
+                 "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
+        "train": {"steps": steps, "micro_batch": 4, "lr": 3e-3, "log_every": 2, **train},
+        "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
+        "coordinator": {"num_fragments": 4, "sync_every": 4,
+                        "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1}},
+        "prompt": "Shall I",
+    }  # fmt: skip
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(run))
+    return path
+
+
+def ds_diloco_run(*args, timeout=240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ds_diloco.cli", "run", *map(str, args)],
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def last_step(progress: Path) -> int:
+    if not progress.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in progress.read_text().splitlines()]
+    return max(steps, default=0)
+
+
+def logs(workdir: Path, out: str) -> str:
+    tails = "".join(p.read_text()[-2000:] for p in workdir.glob("islands/*/log.txt"))
+    return out[-3000:] + tails
+
+
+def test_stopped_run_resumes_and_its_export_starts_the_next_run(tmp_path, tiny_config_path):
+    run_file = write_run_file(tmp_path, "run1", {"config": tiny_config_path, "seed": 0}, STEPS,
+                              checkpoint_every=5, step_delay_s=0.1)  # fmt: skip
+    workdir = tmp_path / "run1"
+
+    # Nothing to resume yet: one clear line, no traceback.
+    first = ds_diloco_run(run_file, "--resume", timeout=60)
+    assert first.returncode == 2 and "nothing to resume" in first.stderr, first.stderr
+
+    # 1. Ctrl-C once both islands are past a checkpoint or two.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    progress = {n: workdir / "islands" / n / "progress.jsonl" for n in ("a", "b")}
+    try:
+        deadline = time.monotonic() + 180
+        while not all(last_step(p) >= 12 for p in progress.values()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not train"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, logs(workdir, out)
+    stopped = load_global(workdir / "state")  # what the coordinator served last, on disk
+    merges = json.loads((workdir / "state" / "coordinator.json").read_text())["merges"]
+    ckpt = {n: int((workdir / "islands" / n / "checkpoints" / "latest").read_text()[4:])
+            for n in ("a", "b")}  # fmt: skip
+    assert min(merges) >= 1 and min(stopped.versions) >= 1, (merges, stopped.versions)
+    assert all(5 <= s < STEPS for s in ckpt.values()), ckpt
+
+    # 2. --resume: the coordinator goes on from its versions, the islands from their checkpoints.
+    resumed = ds_diloco_run(run_file, "--resume")
+    assert resumed.returncode == 0, logs(workdir, resumed.stdout + resumed.stderr)
+    assert f"resuming at versions {stopped.versions} (merges {merges})" in resumed.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from"] == {n: {"step": s} for n, s in ckpt.items()}
+    assert all(m > m0 for m, m0 in zip(summary["merges"], merges)), (summary["merges"], merges)
+    final = load_global(workdir / "state")
+    assert all(v > v0 for v, v0 in zip(final.versions, stopped.versions))
+    for name, step in ckpt.items():
+        starts = [r for line in progress[name].read_text().splitlines()
+                  if "started_at" in (r := json.loads(line))]  # fmt: skip
+        assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (step, True)], starts
+        island = summary["islands"][name]
+        assert island["start_step"] == step and island["steps"] == STEPS
+        assert island["tokens"] == STEPS * TOKENS_PER_STEP  # counted on from the checkpoint
+    assert summary["heldout_loss_merged"] < summary["heldout_loss_initial"] - 0.3, summary
+    assert summary["sample"].startswith("Shall I")
+
+    # 3. The export starts another run: its coordinator's tensors are run 1's final ones ...
+    export = workdir / "export"
+    start = Coordinator(CoordinatorConfig(model=ModelSource(pretrained=str(export)),
+                                          state_dir=str(tmp_path / "c2"), num_fragments=4))  # fmt: skip
+    got = start.global_tensors()
+    assert got.keys() == final.tensors.keys()
+    assert all(torch.equal(got[k], final.tensors[k]) for k in got)
+    # ... and it trains on, with the export's tokenizer (run 1's), from run 1's loss.
+    run2 = write_run_file(tmp_path, "run2", {"pretrained": str(export)}, 12, lr=3e-4,
+                          warmup_steps=4)  # fmt: skip
+    second = ds_diloco_run(run2)
+    assert second.returncode == 0, logs(tmp_path / "run2", second.stdout + second.stderr)
+    s2 = json.loads((tmp_path / "run2" / "summary.json").read_text())
+    assert s2["heldout_loss_initial"] == pytest.approx(summary["heldout_loss_merged"], rel=1e-5)
+    assert s2["heldout_loss_merged"] < s2["heldout_loss_initial"], s2
+    assert min(s2["merges"]) >= 1
