@@ -2,6 +2,23 @@
 
 Data path: launcher -> island -> shard pseudo-gradient -> transport -> coordinator
 -> merge -> outer optimizer -> checkpoint / export.
+
+Public API for your own training loop: :class:`Learner` (a DeepSpeed ZeRO-3
+engine joins a run) and :class:`DiLoCoCallback` (the same for the Hugging Face
+Trainer). Both are imported on first use, so ``import ds_diloco`` stays light.
 """
 
 __version__ = "0.1.0"
+__all__ = ["DiLoCoCallback", "Learner", "LearnerError"]
+
+
+def __getattr__(name: str):
+    if name in ("Learner", "LearnerError"):
+        from ds_diloco import learner
+
+        return getattr(learner, name)
+    if name == "DiLoCoCallback":
+        from ds_diloco.hf_callback import DiLoCoCallback
+
+        return DiLoCoCallback
+    raise AttributeError(f"module 'ds_diloco' has no attribute {name!r}")

@@ -1,11 +1,10 @@
 """One rank of an island: ``ds-diloco island --config FILE``, run by the deepspeed launcher.
 
 Every rank of the island runs this: build the ZeRO-3 engine (the model is
-partitioned from the start), take its own shard of the island's data, take
-the global fragments from the coordinator, then train with AdamW. After each
-inner step the rank-side :class:`~ds_diloco.syncer.FragmentSyncer` sends the
-due fragment's pseudo-gradient of this rank's slices and applies merged
-fragments that every rank holds; the network work runs in its thread.
+partitioned from the start), take its own shard of the island's data, join
+the run (:class:`~ds_diloco.learner.Learner`, the same public API a user's own
+loop would use: it takes the global fragments), then train with AdamW and call
+``learner.step`` after each inner step.
 
 Rank 0 writes progress records (``progress.jsonl``) and every rank a summary
 (``summary-rank<r>.json``) into the island's workdir.
@@ -23,14 +22,11 @@ from pathlib import Path
 import torch
 
 from ds_diloco import zero
-from ds_diloco.client import CoordinatorClient
-from ds_diloco.compress import Codec
 from ds_diloco.config import IslandConfig
 from ds_diloco.data import BlockLoader, heldout_split, prepare_corpus, split_blocks
-from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
 from ds_diloco.hf_model import lm_loss
+from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
-from ds_diloco.syncer import FragmentSyncer
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +70,6 @@ def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) 
     return float(total[0] / total[1])
 
 
-def _connect(cfg: IslandConfig, engine, rank: int, world: int) -> FragmentSyncer:
-    """Register (rank 0), read the plan, and take the global fragments (every rank)."""
-    client = CoordinatorClient(cfg.coordinator_url, cfg.resolve_token())
-    sig = signature(param_specs(engine.module.named_parameters()))
-    if rank == 0:  # one registration per island; the other ranks read the same plan
-        client.register(cfg.island, world, sig)
-    zero.barrier()
-    info = client.plan()
-    if info["signature"] != sig:
-        raise ValueError(f"island {cfg.island}: the model differs from the coordinator's")
-    plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
-    syncer = FragmentSyncer(
-        client, cfg.island, plan, schedule, zero.ZeroShardAccess(engine),
-        world_size=world, rank=rank, alpha=cfg.train.blend_alpha, agree=zero.island_min_max,
-        codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
-    )  # fmt: skip
-    syncer.bootstrap()
-    return syncer
-
-
 class _FaultHook:
     """Chaos testing: extra seconds per step, read from ``faults/slow[-rank<r>]`` if present.
 
@@ -116,20 +92,17 @@ class _FaultHook:
 
 
 class _NoSync:
-    """Stands in for the syncer in plain mode: the same loop, no outer optimisation."""
+    """Stands in for the learner in plain mode: the same loop, no outer optimisation."""
 
     stats = None
 
-    def on_step(self, step: int, tokens: int) -> list[int]:
+    def step(self, tokens: int) -> list[int]:
         return []
 
     def versions(self) -> list[int]:
         return []
 
-    def close(self) -> None:
-        pass
-
-    def leave(self) -> None:
+    def close(self, leave: bool = True) -> None:
         pass
 
 
@@ -147,7 +120,13 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     # its last checkpoint, then takes the current global fragments like any island.
     ckpt_dir = workdir / "checkpoints"
     start_step, tokens = zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0)
-    syncer = _NoSync() if plain else _connect(cfg, engine, rank, world)
+    if plain:
+        learner = _NoSync()
+    else:  # joins the run: registers, checks the model, takes the global fragments
+        learner = Learner(
+            engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
+            alpha=cfg.train.blend_alpha,
+        )  # fmt: skip
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
 
     loader = iter(
@@ -175,9 +154,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if t.step_delay_s:
             time.sleep(t.step_delay_s)
         t1 = time.perf_counter()
-        island_tokens = input_ids.numel() * world  # fixed-size blocks: the same on every rank
-        tokens += island_tokens
-        applied = syncer.on_step(step, island_tokens)
+        tokens += input_ids.numel() * world  # fixed-size blocks: the same on every rank
+        applied = learner.step(tokens=input_ids.numel())
         t2 = time.perf_counter()
         step_s += t1 - t0
         sync_s += t2 - t1
@@ -186,7 +164,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         record = None
         if step % t.log_every == 0 or step == t.steps:
             record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
-                      "tokens": tokens, "versions": syncer.versions(), "applied": applied,
+                      "tokens": tokens, "versions": learner.versions(), "applied": applied,
                       "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
         if t.eval_every and step % t.eval_every == 0:
             ev = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
@@ -197,9 +175,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             zero.save_checkpoint(engine, ckpt_dir, step, {"step": step, "tokens": tokens})
     wall = time.perf_counter() - t_start
-    syncer.close()
-    if not plain and rank == 0:  # done for good: no quorum should count on this island now
-        syncer.leave()
+    learner.close(leave=True)  # done for good: no quorum should count on this island now
     end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
     summary = {
         "island": cfg.island,
@@ -212,7 +188,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "train_s": round(step_s, 3),
         "sync_s": round(sync_s, 4),
         "sync_max_s": round(sync_max_s, 4),
-        "versions": syncer.versions(),
+        "versions": learner.versions(),
         "step_s_median": statistics.median(step_times),
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -229,7 +205,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "finished_at": time.time(),
         "heldout_loss_start": start_loss,
         "heldout_loss_end": end_loss,
-        "stats": vars(syncer.stats) if syncer.stats else None,
+        "stats": vars(learner.stats) if learner.stats else None,
         "plain": plain,
     }
     (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))

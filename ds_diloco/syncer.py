@@ -130,8 +130,9 @@ class FragmentSyncer:
         self.client, self.island, self.plan, self.schedule = client, island, plan, schedule
         self.access, self.world_size, self.rank = access, world_size, rank
         self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
-        # agree(values) -> (mins, maxs) over the island's ranks; one rank needs none.
-        self.agree = agree or (lambda values: (values, values))
+        # agree(values) -> every rank's values, by rank (the island's all-gather); one rank
+        # needs none. From the rows: versions held (min, max) and the island's tokens (sum).
+        self.agree = agree or (lambda values: [values])
         # Compressed uploads keep a quantisation residual per (fragment, tensor) of this
         # rank: one more fp32 copy of the shard in all, allocated as fragments are sent.
         lossy = codec is not None and codec.name != "none"
@@ -168,16 +169,27 @@ class FragmentSyncer:
 
     # ----------------------------------------------------------- training side
     def bootstrap(self, attempts: int = 20) -> list[int]:
+        """Take the global model (:meth:`take_global`), then start the network thread."""
+        versions = self.take_global(attempts)
+        self._train_thread = threading.get_ident()
+        for t in self._threads:
+            t.start()
+        return versions
+
+    def take_global(self, attempts: int = 20) -> list[int]:
         """Take every fragment's current global value, the same version on every rank.
 
-        Blocking: runs before training starts. A merge between two ranks' downloads
-        gives them different versions; the ones behind download again.
+        Blocking, and only while the network thread is not running (before training,
+        or after :meth:`close`). A merge between two ranks' downloads gives them
+        different versions; the ones behind download again.
         """
+        if any(t.is_alive() for t in self._threads):
+            raise RuntimeError("take_global() while the network thread runs: close() first")
         todo = list(self.plan.fragments)
         for _ in range(attempts):
             for f in todo:
                 self._fetch(f, self.slots[f.index], after=None)
-            lows, highs = self.agree([self.slots[f.index].version for f in todo])
+            lows, highs, _ = self._agree([self.slots[f.index].version for f in todo])
             retry = []
             for f, lo, hi in zip(todo, lows, highs):
                 if lo == hi >= 0:
@@ -186,9 +198,6 @@ class FragmentSyncer:
                     retry.append(f)
             self._flush()
             if not retry:
-                self._train_thread = threading.get_ident()
-                for t in self._threads:
-                    t.start()
                 return self.versions()
             todo = retry
             time.sleep(self.poll_s)
@@ -197,17 +206,23 @@ class FragmentSyncer:
             f"{[f.index for f in todo]} after {attempts} attempts"
         )
 
+    def _agree(self, values: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+        """(element-wise min, max over the island's ranks, every rank's row)."""
+        rows = self.agree(values)
+        return [min(c) for c in zip(*rows)], [max(c) for c in zip(*rows)], rows
+
     def versions(self) -> list[int]:
         """The global version each fragment's local values started from."""
         return [s.applied for s in self.slots]
 
     def on_step(self, step: int, tokens: int) -> list[int]:
-        """Call after inner step ``step`` (from 1) with the island's tokens of that step.
+        """Call after inner step ``step`` (from 1) with this rank's tokens of that step.
 
         Applies the merged fragments that every rank holds (same version) and whose
-        tau steps are over, then queues the fragment due now. Never touches the
-        network; the only wait is the island's small agreement collective, and only
-        at steps where a result is due (the same steps on every rank).
+        tau steps are over, then queues the fragment due now with the island's token
+        count (summed over ranks in the same collective). Never touches the network;
+        the only wait is the island's small agreement collective, and only at steps
+        where a result is due or a fragment is sent (the same steps on every rank).
         """
         for slot in self.slots:
             slot.tokens += tokens
@@ -226,18 +241,18 @@ class FragmentSyncer:
         # keeps the downloader from starting to write it.
         locked = send is not None and send.lock.acquire(blocking=False)
         try:
-            flag = []
+            flag = []  # [may send, this rank's tokens in the fragment since its last apply]
             if send is not None:
                 with self._lock:
                     ok = locked and send.version == send.applied >= 0 and not send.refetch
-                flag = [1 if ok else 0]
+                flag = [1 if ok else 0, send.tokens]
             applied = []
-            send_ok = send is not None
+            send_ok, send_tokens = False, 0  # set below whenever a fragment is due to be sent
             if due or flag:
                 with self._lock:
                     held = [slot.version if slot.arrived else -1 for _, slot in due]
                 t0 = time.perf_counter()
-                lows, highs = self.agree(held + flag)
+                lows, highs, rows = self._agree(held + flag)
                 self.stats.agree_s += time.perf_counter() - t0
                 for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
                     if lo == hi >= 0:  # every rank holds the same new version: apply it now
@@ -250,16 +265,19 @@ class FragmentSyncer:
                         with self._lock:
                             slot.refetch = True
                 self._flush()
-                # Applied just now on every rank, or usable on every rank.
-                send_ok = send is not None and (p in applied or lows[-1] == 1)
+                if send is not None:
+                    # Applied just now on every rank (nothing trained since), or usable on
+                    # every rank; the island's tokens are the sum of its ranks'.
+                    send_ok = p in applied or lows[-2] == 1
+                    send_tokens = 0 if p in applied else sum(r[-1] for r in rows)
             if send is not None:
-                self._send(self.plan.fragments[p], step, send_ok)
+                self._send(self.plan.fragments[p], step, send_ok, send_tokens)
         finally:
             if locked:
                 send.lock.release()
         return applied
 
-    def _send(self, frag: Fragment, step: int, ok: bool) -> None:
+    def _send(self, frag: Fragment, step: int, ok: bool, tokens: int) -> None:
         slot = self.slots[frag.index]
         # Every rank marks the send, uploaded or not, so that the ranks' due steps agree.
         slot.sent_step = step
@@ -278,7 +296,7 @@ class FragmentSyncer:
             fragment=frag.index,
             base_version=slot.applied,
             step=step,
-            tokens=slot.tokens,
+            tokens=tokens,
             steps=max(slot.steps, 1),
         )
         with self._lock:

@@ -4,8 +4,8 @@
 - :func:`build_engine`: an HF causal LM partitioned from the start, with AdamW.
 - :class:`ZeroShardAccess`: a rank reads and writes the flat slice of each
   parameter it owns, in the fp32 master partition, without any gather.
-- :func:`island_min_max`: the intra-island collective with which the ranks
-  agree on which merged fragments every one of them holds.
+- :func:`island_gather`: the intra-island collective with which the ranks
+  agree on which merged fragments every one of them holds (and count tokens).
 - :func:`gather_full_params`: whole tensors, for checks and small exports.
 
 No collective here ever crosses islands: the process group is the island.
@@ -31,17 +31,28 @@ def on_cpu() -> bool:
     return os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available()
 
 
+def prepare_cpu() -> None:
+    """On a machine without CUDA: DeepSpeed's CPU accelerator, without its shm op build.
+
+    The CPU accelerator compiles a shared-memory op at every start (30-50 s cold); it
+    only serves inference all-reduce. Call before anything initialises DeepSpeed's
+    communication (``init_distributed`` does; with the HF Trainer or accelerate, before
+    ``TrainingArguments`` / ``Accelerator``).
+    """
+    if not on_cpu():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.comm.torch  # noqa: F401
+
+    # The package attribute of that name is torch itself: reach the module via sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world size) of this island's process group."""
-    if on_cpu():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    prepare_cpu()
     import deepspeed
-    import deepspeed.comm.torch
 
-    # The CPU accelerator compiles a shared-memory op at every start (30-50 s cold); it
-    # only serves inference all-reduce. The package attribute of that name is torch
-    # itself, so reach the module through sys.modules.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                  ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):  # fmt: skip
         os.environ.setdefault(k, v)  # a single process without a launcher: world of 1
@@ -145,14 +156,17 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
     return int(client_state["step"]), int(client_state["tokens"])
 
 
-def island_min_max(values: list[int]) -> tuple[list[int], list[int]]:
-    """Element-wise min and max of ``values`` over the island's ranks (one small collective)."""
-    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces GPU tensors only
+def island_gather(values: list[int]) -> list[list[int]]:
+    """Every rank's ``values``, by rank (one small all-gather within the island).
+
+    The syncer's agreement: from the rows each rank takes the minimum and maximum
+    version held and the island's sum of token counts, the same on every rank.
+    """
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL gathers GPU tensors only
     t = torch.tensor(values, dtype=torch.int64, device="cuda" if nccl else "cpu")
-    both = torch.cat([-t, t])  # max of -x is -min: one all-reduce gives both
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-    n = len(values)
-    return (-both[:n]).tolist(), both[n:].tolist()
+    rows = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, t)
+    return [r.tolist() for r in rows]
 
 
 def barrier() -> None:

@@ -67,8 +67,7 @@ def reads(access) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ scenarios
 def scenario_minmax(spec, rank, world):
-    mins, maxs = zero.island_min_max(spec["minmax"][rank])
-    return {"mins": mins, "maxs": maxs}
+    return {"rows": zero.island_gather(spec["minmax"][rank])}
 
 
 def scenario_shards(spec, rank, world):
@@ -140,7 +139,7 @@ def scenario_syncer(spec, rank, world):
     plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
     syncer = FragmentSyncer(
         client, "isl", plan, schedule, zero.ZeroShardAccess(engine),
-        world_size=world, rank=rank, agree=zero.island_min_max, poll_s=0.02, long_poll_s=1.0,
+        world_size=world, rank=rank, agree=zero.island_gather, poll_s=0.02, long_poll_s=1.0,
     )  # fmt: skip
     out["boot_versions"] = syncer.bootstrap()
     out["boot_logits"] = logits(engine, ids)
@@ -154,7 +153,7 @@ def scenario_syncer(spec, rank, world):
         deadline = time.monotonic() + 30
         while not all(s.arrived for s in waiting) and time.monotonic() < deadline:
             time.sleep(0.01)  # results this rank waits for are due now: let them arrive
-        applied.append(syncer.on_step(step, tokens=ids.numel() * world))
+        applied.append(syncer.on_step(step, tokens=ids.numel()))
         versions.append(syncer.versions())
     out["applied"], out["versions"] = applied, versions
     out["full"] = zero.gather_full_params(engine)

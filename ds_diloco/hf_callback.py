@@ -1,0 +1,107 @@
+"""The Hugging Face Trainer joins a ds_diloco run as an island: :class:`DiLoCoCallback`.
+
+::
+
+    args = TrainingArguments(..., deepspeed="ds_config.json",   # zero_optimization.stage 3
+                             include_num_input_tokens_seen=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[ds_diloco.DiLoCoCallback("http://host:8470", island="a")])
+    trainer.train()          # launched with the deepspeed launcher, as usual
+
+The callback makes a :class:`~ds_diloco.learner.Learner` when training begins
+and calls it after every optimizer step. The Trainer keeps the DeepSpeed engine
+to itself; callbacks see the model and the optimizer, which with ZeRO-3 are all
+the learner needs (the engine's module and its ZeRO-3 optimizer), and the
+Trainer's step counter.
+"""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from ds_diloco.learner import Learner, LearnerError
+
+
+class _TrainerEngine:
+    """What :class:`Learner` uses of a DeepSpeed engine, from what a callback is given."""
+
+    def __init__(self, model, optimizer, state):
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        self.module = model
+        # accelerate wraps DeepSpeed's optimizer (DeepSpeedOptimizerWrapper.optimizer)
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)
+        self._state = state
+        self._stage3 = isinstance(self.optimizer, DeepSpeedZeroOptimizer_Stage3)
+
+    def zero_optimization_stage(self) -> int:
+        return 3 if self._stage3 else 0
+
+    @property
+    def global_steps(self) -> int:
+        return self._state.global_step
+
+
+class DiLoCoCallback(TrainerCallback):
+    """Makes the Trainer's DeepSpeed ZeRO-3 job an island of a ds_diloco run.
+
+    Args:
+        coordinator, island, token, alpha, connect_timeout_s: as for :class:`Learner`.
+        tokens_per_step: tokens one rank trains on per optimizer step, if the Trainer
+            does not count them (``include_num_input_tokens_seen``, which it then
+            must); the merge weights islands by these counts.
+        take_global_at_end: when training ends, load the merged global model into the
+            Trainer's model (so that ``trainer.save_model()`` saves the run's model).
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        island: str,
+        *,
+        token: str | None = None,
+        alpha: float = 0.0,
+        connect_timeout_s: float = 30.0,
+        tokens_per_step: int | None = None,
+        take_global_at_end: bool = True,
+    ):
+        self.coordinator, self.island, self.token = coordinator, island, token
+        self.alpha, self.connect_timeout_s = alpha, connect_timeout_s
+        self.tokens_per_step, self.take_global_at_end = tokens_per_step, take_global_at_end
+        self.learner: Learner | None = None
+        self._seen_tokens = 0
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        counting = str(getattr(args, "include_num_input_tokens_seen", "no")) != "no"
+        if self.tokens_per_step is None and not counting:
+            raise LearnerError(
+                "DiLoCoCallback needs token counts for the merge weights: set "
+                "TrainingArguments(include_num_input_tokens_seen=True) or pass tokens_per_step"
+            )
+        if getattr(args, "deepspeed", None) is None:
+            raise LearnerError(
+                "DiLoCoCallback needs the Trainer to run DeepSpeed ZeRO-3: "
+                "TrainingArguments(deepspeed=CONFIG) with zero_optimization.stage 3"
+            )
+        engine = _TrainerEngine(model, optimizer, state)
+        self.learner = Learner(
+            engine, self.coordinator, self.island, token=self.token, alpha=self.alpha,
+            connect_timeout_s=self.connect_timeout_s,
+        )  # fmt: skip
+        self._seen_tokens = state.num_input_tokens_seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.tokens_per_step is not None:
+            tokens = self.tokens_per_step
+        else:
+            # The Trainer's count is the island's (summed over ranks, the same on every
+            # rank); the learner sums its ranks' shares, so each passes its share.
+            island = state.num_input_tokens_seen - self._seen_tokens
+            self._seen_tokens = state.num_input_tokens_seen
+            world, rank = self.learner.world_size, self.learner.rank
+            tokens = island // world + (island % world if rank == 0 else 0)
+        self.learner.step(tokens=int(tokens))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.learner is not None:
+            self.learner.close(leave=True, take_global=self.take_global_at_end)

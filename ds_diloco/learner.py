@@ -1,0 +1,199 @@
+"""Join a ds_diloco run from your own DeepSpeed ZeRO-3 training loop.
+
+::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)  # stage 3
+    learner = ds_diloco.Learner(engine, coordinator="http://host:8470", island="a")
+    for batch in loader:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        learner.step(tokens=batch["input_ids"].numel())  # this rank's tokens
+    learner.close()  # or: with ds_diloco.Learner(...) as learner: ...
+
+Every rank of the island (the engine's whole process group) makes a Learner
+with the same arguments. Construction registers the island, checks the model
+against the run's, and replaces the local model by the current global one;
+:meth:`Learner.step` then does the outer loop's part of an inner step: it
+sends the due fragment's pseudo-gradient of this rank's shard and applies
+merged fragments on every rank at the same step, with the network work in a
+background thread. The model, data, loss, schedule and logging stay yours.
+
+Inner steps are counted from ``engine.global_steps``: with gradient
+accumulation, calls between optimizer steps only add their tokens, and an
+engine restored from a checkpoint continues the fragment schedule where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import requests
+import torch.distributed as dist
+
+from ds_diloco import zero
+from ds_diloco.client import CoordinatorClient, RefusedError
+from ds_diloco.compress import Codec
+from ds_diloco.config import TOKEN_ENV
+from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
+from ds_diloco.syncer import FragmentSyncer, SyncStats
+
+log = logging.getLogger(__name__)
+
+
+class LearnerError(RuntimeError):
+    """This engine cannot join the run: the message says why (raised on every rank)."""
+
+
+def zero_stage(engine) -> int:
+    """The ZeRO stage of a DeepSpeed engine; TypeError for anything else."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    if not callable(stage) or not hasattr(engine, "module"):
+        raise TypeError(
+            f"ds_diloco.Learner needs a DeepSpeed engine (deepspeed.initialize), "
+            f"got {type(engine).__name__}"
+        )
+    return int(stage())
+
+
+class Learner:
+    """One rank's membership of a ds_diloco run, around a DeepSpeed ZeRO-3 engine.
+
+    Args:
+        engine: the DeepSpeed engine, ZeRO stage 3, its model the run's model.
+        coordinator: the coordinator's URL, e.g. ``http://10.0.0.1:8470``.
+        island: this island's name in the run (the same on all its ranks).
+        token: the run's bearer token; default: ``$DS_DILOCO_TOKEN``.
+        alpha: blend of the local values into an applied global fragment (0: overwrite).
+        connect_timeout_s: how long to try reaching the coordinator before giving up.
+    """
+
+    def __init__(
+        self,
+        engine,
+        coordinator: str,
+        island: str,
+        *,
+        token: str | None = None,
+        alpha: float = 0.0,
+        connect_timeout_s: float = 30.0,
+    ):
+        stage = zero_stage(engine)
+        if stage != 3:
+            raise LearnerError(
+                f"island {island!r}: ds_diloco needs a ZeRO stage 3 engine "
+                f"(zero_optimization.stage: 3 in the DeepSpeed config), this one is stage {stage}"
+            )
+        if not 0.0 <= alpha < 1.0:
+            raise LearnerError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
+        token = token or os.environ.get(TOKEN_ENV)
+        if not token:
+            raise LearnerError(f"no token: pass token= or set {TOKEN_ENV}")
+        self.engine, self.island = engine, island
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.client = CoordinatorClient(coordinator, token)
+        sig = signature(param_specs(engine.module.named_parameters()))
+        # Every failure below is agreed on by the whole island before anyone raises, so a
+        # rank never waits forever in a collective that a failed rank will not join.
+        probe = CoordinatorClient(coordinator, token, retries=0, timeout_s=10.0)
+        info = self._all(lambda: self._reach(probe, connect_timeout_s))
+        if info["signature"] != sig:  # the same plan on every rank: they all raise
+            raise LearnerError(
+                f"island {island!r}: parameter signature mismatch: the run's model has "
+                f"signature {info['signature'][:16]}, this engine's is {sig[:16]} "
+                f"(parameter names or shapes differ)"
+            )
+        register = lambda: self.client.register(island, self.world_size, sig)  # noqa: E731
+        self._all(register if self.rank == 0 else lambda: None)  # one registration per island
+        self.syncer = FragmentSyncer(
+            self.client, island, FragmentPlan.from_json(info["plan"]),
+            Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
+            world_size=self.world_size, rank=self.rank, alpha=alpha, agree=zero.island_gather,
+            codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
+        )  # fmt: skip
+        self.syncer.bootstrap()  # every rank now holds the global model, the same versions
+        self._seen_step = engine.global_steps
+        self._tokens = 0
+        self._closed = False
+
+    def _reach(self, probe: CoordinatorClient, timeout_s: float) -> dict:
+        """The run's plan, retrying an unreachable coordinator for ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return probe.plan()
+            except (requests.ConnectionError, requests.Timeout) as e:
+                if time.monotonic() >= deadline:
+                    raise LearnerError(
+                        f"island {self.island!r}: coordinator {probe.url} not reachable "
+                        f"after {timeout_s:g} s: {e}"
+                    ) from e
+                time.sleep(0.5)
+
+    def _all(self, fn):
+        """Run ``fn`` on this rank; if it failed on any rank of the island, raise on all."""
+        result, error = None, None
+        try:
+            result = fn()
+        except RefusedError as e:
+            error = LearnerError(f"island {self.island!r}: the coordinator refused: {e.message}")
+        except (LearnerError, requests.RequestException) as e:
+            error = e if isinstance(e, LearnerError) else LearnerError(f"{self.island!r}: {e}")
+        rows = zero.island_gather([0 if error is None else 1])
+        if error is not None:
+            raise error
+        failed = [r for r, (bad,) in enumerate(rows) if bad]
+        if failed:
+            raise LearnerError(f"island {self.island!r}: could not join the run on ranks {failed}")
+        return result
+
+    # ------------------------------------------------------------------ loop
+    def step(self, tokens: int) -> list[int]:
+        """Call after every ``engine.step()`` with the tokens this rank trained on in it.
+
+        Between optimizer steps (gradient accumulation) it only counts the tokens.
+        Returns the fragments applied at this step (the same list on every rank).
+        """
+        if self._closed:
+            raise LearnerError("step() after close()")
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        self._tokens += int(tokens)
+        step = self.engine.global_steps
+        if step == self._seen_step:  # not an optimizer step: a micro-batch of an accumulation
+            return []
+        self._seen_step = step
+        tokens, self._tokens = self._tokens, 0
+        return self.syncer.on_step(step, tokens)
+
+    def versions(self) -> list[int]:
+        """The global version each fragment's local values started from."""
+        return self.syncer.versions()
+
+    @property
+    def stats(self) -> SyncStats:
+        return self.syncer.stats
+
+    def close(self, leave: bool = True, take_global: bool = False) -> list[int] | None:
+        """Send what is queued and stop; every rank calls it.
+
+        ``leave``: this island is done for good (False for one that will come back,
+        e.g. stopping to restart from a checkpoint: its lease then runs out).
+        ``take_global``: then load the current global model into the engine on every
+        rank (to evaluate or save the merged model) and return its versions.
+        """
+        if self._closed:
+            return None
+        self._closed = True
+        self.syncer.close()
+        if leave and self.rank == 0:  # no quorum should count on this island any more
+            self.syncer.leave()
+        return self.syncer.take_global() if take_global else None
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(leave=exc_type is None)

@@ -1,0 +1,135 @@
+"""Bring your own loop: the examples join a real coordinator as islands (real processes, ZeRO-3).
+
+Each entry point (a plain DeepSpeed loop, the HF Trainer, accelerate launch) runs
+its example from ``examples/`` on two ranks against a coordinator in this process.
+The island's merges must reach the coordinator, and the model the example saves at
+the end (the global model it took on closing) must compute what a plain HF model
+holding the coordinator's tensors computes. Misuse fails at construction with a
+clear message on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.run import free_port
+from ds_diloco.server import ServerThread
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+DS_CPU = REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"
+TOKEN = "learner-test-token"
+
+
+@pytest.fixture
+def coordinator(tiny_config_path, tmp_path):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
+        num_fragments=4, sync_every=4, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token=TOKEN,
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        yield srv
+
+
+def env(**extra) -> dict:
+    return {**os.environ, "DS_DILOCO_TOKEN": TOKEN, "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}  # fmt: skip
+
+
+def deepspeed_launch(script: Path, ranks: int, args: list[str], timeout: float = 300):
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+           "--master_port", str(free_port()), str(script), *args]  # fmt: skip
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def common_args(tiny_config_path: str, tmp_path: Path, url: str) -> list[str]:
+    return ["--coordinator", url, "--island", "a", "--model-config", tiny_config_path,
+            "--text", str(REPO / "tests" / "data"), "--cache-dir", str(tmp_path / "cache"),
+            "--seq-len", "32", "--micro-batch", "4"]  # fmt: skip
+
+
+def check_joined_and_equal(srv, saved: Path, tiny_config_path: str, min_merges: int) -> None:
+    """Merges of the island reached the coordinator; the saved model is the global model."""
+    status = srv.coord.status()
+    assert min(status["merges"]) >= min_merges, f"merges per fragment {status['merges']}"
+    versions = json.loads((saved / "versions.json").read_text())
+    assert versions == status["versions"], (versions, status)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
+    plain.load_state_dict(srv.coord.global_tensors(), strict=False)
+    island = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    ids = torch.randint(
+        0, plain.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits, island(input_ids=ids).logits
+    assert torch.equal(want, got), (want - got).abs().max()
+
+
+def output(proc) -> str:
+    return (proc.stdout[-3000:] + proc.stderr[-4000:]).strip()
+
+
+def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_path, tmp_path):
+    saved = tmp_path / "merged"
+    args = common_args(tiny_config_path, tmp_path, coordinator.url)
+    proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2,
+                            [*args, "--steps", "16", "--save", str(saved)])  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    # H = 4 over 16 steps: each fragment sent 4 times, all but the last few merged and applied
+    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=3)
+    island = coordinator.coord.status()["islands"]["a"]
+    assert island["left"], island  # close() left the run
+    assert island["tokens_merged"] > 0, island
+
+
+def run_single(script: Path, args: list[str], timeout: float = 120):
+    """One process as a world of one (no launcher)."""
+    e = env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()))  # fmt: skip
+    return subprocess.run([sys.executable, str(script), *args], env=e, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_an_engine_that_is_not_zero3_is_refused(coordinator, tiny_config_path, tmp_path):
+    ds = json.loads(DS_CPU.read_text())
+    ds["zero_optimization"] = {"stage": 2}
+    stage2 = tmp_path / "zero2.json"
+    stage2.write_text(json.dumps(ds))
+    args = common_args(tiny_config_path, tmp_path, coordinator.url)
+    proc = run_single(EXAMPLES / "deepspeed_loop.py", [*args, "--ds-config", str(stage2)])
+    assert proc.returncode != 0
+    assert "needs a ZeRO stage 3 engine" in proc.stderr and "stage 2" in proc.stderr, output(proc)
+    assert "a" not in coordinator.coord.status()["islands"]  # nothing registered
+
+
+def test_a_wrong_coordinator_address_fails_fast_with_the_address(tiny_config_path, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = common_args(tiny_config_path, tmp_path, url)
+    proc = run_single(EXAMPLES / "deepspeed_loop.py", [*args, "--connect-timeout", "2"])
+    assert proc.returncode != 0
+    assert f"coordinator {url} not reachable after 2 s" in proc.stderr, output(proc)
+
+
+def test_a_different_model_is_refused_on_every_rank(coordinator, tiny_config_path, tmp_path):
+    other = json.loads(Path(tiny_config_path).read_text())
+    other["intermediate_size"] += 8  # one shape differs
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    args = common_args(str(other_path), tmp_path, coordinator.url)
+    proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, args, timeout=180)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    # Each rank says why itself: neither waits for the other in a collective.
+    assert err.count("parameter signature mismatch") >= 2, output(proc)
+    assert "a" not in coordinator.coord.status()["islands"]
