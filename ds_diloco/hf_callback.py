@@ -69,6 +69,7 @@ class DiLoCoCallback(TrainerCallback):
         self.alpha, self.connect_timeout_s = alpha, connect_timeout_s
         self.tokens_per_step, self.take_global_at_end = tokens_per_step, take_global_at_end
         self.learner: Learner | None = None
+        self.versions: list[int] | None = None  # of the global model taken at the end
         self._seen_tokens = 0
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -104,4 +105,4 @@ class DiLoCoCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.learner is not None:
-            self.learner.close(leave=True, take_global=self.take_global_at_end)
+            self.versions = self.learner.close(leave=True, take_global=self.take_global_at_end)

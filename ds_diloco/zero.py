@@ -48,6 +48,23 @@ def prepare_cpu() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
 
 
+def prepare_cpu_accelerate() -> None:
+    """On CPU, before ``TrainingArguments`` or ``Accelerator``: accelerate's state with gloo.
+
+    With DeepSpeed and no CUDA, accelerate (and so the HF Trainer) chooses no process
+    group backend and then counts one process, whatever the launcher started. This
+    sets its shared state up first, DeepSpeed on gloo over all ranks; the Trainer then
+    needs ``accelerator_config={"use_configured_state": True}``. No-op with CUDA.
+    """
+    if not on_cpu():
+        return
+    prepare_cpu()
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world size) of this island's process group."""
     prepare_cpu()

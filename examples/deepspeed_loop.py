@@ -36,7 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "ds_diloco"))
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--connect-timeout", type=float, default=30.0)
     p.add_argument("--save", help="save the run's merged model here at the end (HF folder)")
@@ -49,10 +50,11 @@ def main() -> None:
     zero.init_distributed()  # gloo on CPU (and no shm op build); NCCL on GPUs
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = json.loads(Path(args.ds_config).read_text())
+    ga = args.grad_accum
     ds_config.update(train_micro_batch_size_per_gpu=args.micro_batch,
-                     train_batch_size=args.micro_batch * world, gradient_accumulation_steps=1)  # fmt: skip
+                     gradient_accumulation_steps=ga, train_batch_size=args.micro_batch * world * ga)  # fmt: skip
     model_config = AutoConfig.from_pretrained(args.model_config)
-    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  the model is partitioned as it is built
+    keep = HfDeepSpeedConfig(ds_config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -65,15 +67,17 @@ def main() -> None:
 
     _, blocks = prepare_corpus(args.text, args.cache_dir, model_config.vocab_size, args.seq_len)
     batches = iter(BlockLoader(split_blocks(blocks, world, rank), args.micro_batch, seed=rank))
-    for step in range(1, args.steps + 1):
+    for micro in range(1, args.steps * ga + 1):
         ids, next_ids = (x.to(engine.device) for x in next(batches))  # labels shifted already
         logits = engine(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_ids.flatten())
         engine.backward(loss)
-        engine.step()
-        applied = learner.step(tokens=ids.numel())  # ds_diloco
-        if rank == 0 and (step % 10 == 0 or applied):
-            print(f"step {step} loss {loss.item():.3f} applied {applied}", flush=True)
+        engine.step()  # an optimizer step every `ga` micro-batches
+        applied = learner.step(tokens=ids.numel())  # ds_diloco: after every engine.step()
+        if rank == 0 and (micro % (10 * ga) == 0 or applied):
+            print(
+                f"step {engine.global_steps} loss {loss.item():.3f} applied {applied}", flush=True
+            )
 
     # Sends what is queued, leaves the run, and loads the merged model into the engine.
     versions = learner.close(take_global=True)  # ds_diloco

@@ -83,14 +83,16 @@ def output(proc) -> str:
 def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_path, tmp_path):
     saved = tmp_path / "merged"
     args = common_args(tiny_config_path, tmp_path, coordinator.url)
-    proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2,
-                            [*args, "--steps", "16", "--save", str(saved)])  # fmt: skip
+    proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
+        *args, "--steps", "12", "--grad-accum", "2", "--save", str(saved)])  # fmt: skip
     assert proc.returncode == 0, output(proc)
-    # H = 4 over 16 steps: each fragment sent 4 times, all but the last few merged and applied
-    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=3)
+    # 12 optimizer steps of 2 micro-batches, H = 4: each fragment sent 3 times, and the
+    # learner counts optimizer steps (engine.global_steps), not micro-batches.
+    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=2)
     island = coordinator.coord.status()["islands"]["a"]
-    assert island["left"], island  # close() left the run
-    assert island["tokens_merged"] > 0, island
+    assert island["world_size"] == 2 and island["left"], island  # close() left the run
+    per_step = 2 * 2 * 4 * 32  # micro-batches x ranks x micro-batch x seq_len (inputs)
+    assert island["tokens_merged"] % per_step == 0 and island["tokens_merged"] > 0, island
 
 
 def run_single(script: Path, args: list[str], timeout: float = 120):
@@ -133,3 +135,38 @@ def test_a_different_model_is_refused_on_every_rank(coordinator, tiny_config_pat
     # Each rank says why itself: neither waits for the other in a collective.
     assert err.count("parameter signature mismatch") >= 2, output(proc)
     assert "a" not in coordinator.coord.status()["islands"]
+
+
+def test_hf_trainer_with_the_callback_joins_a_run_on_two_ranks(
+    coordinator, tiny_config_path, tmp_path
+):
+    saved = tmp_path / "merged"
+    args = common_args(tiny_config_path, tmp_path, coordinator.url)
+    proc = deepspeed_launch(EXAMPLES / "hf_trainer.py", 2, [
+        *args, "--steps", "8", "--grad-accum", "2", "--out", str(tmp_path / "trainer"),
+        "--save", str(saved)])  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    # 8 optimizer steps of 2 micro-batches, H = 4: each fragment sent twice; the callback
+    # counts optimizer steps (not micro-batches) and the Trainer's tokens of both ranks.
+    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=1)
+    island = coordinator.coord.status()["islands"]["a"]
+    assert island["world_size"] == 2 and island["left"], island
+    per_step = 2 * 2 * 4 * 33  # micro-batches x ranks x micro-batch x (seq_len + 1) tokens
+    assert island["tokens_merged"] % per_step == 0 and island["tokens_merged"] > 0, island
+
+
+def test_accelerate_launch_with_the_deepspeed_plugin_joins_a_run_on_two_ranks(
+    coordinator, tiny_config_path, tmp_path
+):
+    saved = tmp_path / "merged"
+    args = common_args(tiny_config_path, tmp_path, coordinator.url)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+           "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(EXAMPLES / "accelerate_loop.py"),
+           *args, "--steps", "16", "--save", str(saved)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, output(proc)
+    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=3)
+    island = coordinator.coord.status()["islands"]["a"]
+    assert island["world_size"] == 2 and island["left"], island
