@@ -95,10 +95,10 @@ def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_
     assert island["tokens_merged"] % per_step == 0 and island["tokens_merged"] > 0, island
 
 
-def run_single(script: Path, args: list[str], timeout: float = 120):
+def run_single(script: Path, args: list[str], timeout: float = 120, **extra_env):
     """One process as a world of one (no launcher)."""
     e = env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()))  # fmt: skip
+            MASTER_PORT=str(free_port()), **extra_env)  # fmt: skip
     return subprocess.run([sys.executable, str(script), *args], env=e, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -121,6 +121,14 @@ def test_a_wrong_coordinator_address_fails_fast_with_the_address(tiny_config_pat
     proc = run_single(EXAMPLES / "deepspeed_loop.py", [*args, "--connect-timeout", "2"])
     assert proc.returncode != 0
     assert f"coordinator {url} not reachable after 2 s" in proc.stderr, output(proc)
+
+
+def test_a_wrong_token_is_refused_by_the_coordinator(coordinator, tiny_config_path, tmp_path):
+    args = common_args(tiny_config_path, tmp_path, coordinator.url)
+    proc = run_single(EXAMPLES / "deepspeed_loop.py", args, DS_DILOCO_TOKEN="not-the-token")
+    assert proc.returncode != 0
+    assert "the coordinator refused: wrong bearer token" in proc.stderr, output(proc)
+    assert "a" not in coordinator.coord.status()["islands"]
 
 
 def test_a_different_model_is_refused_on_every_rank(coordinator, tiny_config_path, tmp_path):
