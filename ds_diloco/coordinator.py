@@ -10,8 +10,10 @@ counters. Rounds close per :func:`round_policy.decide`; merging uses
 
 Thread model: every public method may be called from any thread (the HTTP
 server calls them from an executor). ``_lock`` guards bookkeeping and is never
-held during heavy math; each fragment's values are guarded by a readers-writer
-lock that a merge takes for writing only for its outer step.
+held during heavy math; each fragment's outer optimizer state is guarded by a
+readers-writer lock that a merge takes for writing for its outer step and
+durable write. Served values are never written in place: a merge steps a copy
+and publishes it, so downloads read them without a lock and without a copy.
 """
 
 from __future__ import annotations
@@ -158,13 +160,28 @@ class _Island:
         return isl
 
 
+_MAX_CACHED_BODIES = 64
+"""Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """A published version: its values are never written again, so a download's body
+    aliases them (no copy) while a merge computes the next version in another tensor."""
+
+    version: int
+    values: torch.Tensor
+    bodies: dict[tuple[int, int], wire.Body] = dataclasses.field(default_factory=dict)
+    """Encoded downloads of this version by (world_size, rank): every island of the same
+    world size gets the same slices, so each pair is encoded once per version."""
+
+
 class _FragmentState:
     def __init__(self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
-        self.values = values
         self.optimizer = optimizer
-        self.version = 0
+        self.publish(0, values)
         self.lock = _RWLock()
         self.rows = torch.zeros(0, fragment.numel)
         self.free_rows: list[int] = []
@@ -175,6 +192,12 @@ class _FragmentState:
         self.saved_version = -1
         self.last_merge: dict = {}
         self.grad = torch.empty(fragment.numel)
+
+    def publish(self, version: int, values: torch.Tensor) -> None:
+        """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
+        # ``served`` first: whoever sees the new ``version`` finds its values served.
+        self.served = _Served(version, values)
+        self.values, self.version = values, version
 
     def take_row(self) -> int:
         if not self.free_rows:  # grow: contributions of a new island (rare)
@@ -254,7 +277,7 @@ class Coordinator:
             # Written with durable merges, the file holds the last served version. Otherwise a
             # version may have been served after the last save: never reuse its number.
             served = version if state.get("durable_merges") else hwm.get(str(frag.index), version)
-            fs.version = served + 1 if served > version else version
+            fs.publish(served + 1 if served > version else version, values)
             fs.saved_version = version
             fs.merges = state["merges"][frag.index]
             self._frags.append(fs)
@@ -277,8 +300,8 @@ class Coordinator:
             fs.lock.acquire_read()
             try:
                 if all_fragments or fs.version != fs.saved_version:
-                    self.store.write_fragment(
-                        fs.fragment.index, fs.version, fs.values, fs.optimizer.state_dict()
+                    self.store.write_fragment(  # the read lock keeps the outer state still
+                        fs.fragment.index, fs.version, fs.values, fs.optimizer.state_dict(False)
                     )
                     fs.saved_version = fs.version
                     written += 1
@@ -396,7 +419,7 @@ class Coordinator:
         return [fs.version for fs in self._frags]
 
     # ------------------------------------------------------------------ uploads
-    def upload(self, body: bytes) -> dict:
+    def upload(self, body: bytes | bytearray | memoryview) -> dict:
         """Validate and take in one rank's slices; refuses with CoordinatorError."""
         try:
             h, slices, meta = wire.decode_upload_with_metadata(body)
@@ -580,24 +603,34 @@ class Coordinator:
         return sq
 
     # ---------------------------------------------------------------- downloads
-    def download(self, fragment: int, world_size: int, rank: int) -> tuple[int, bytes]:
-        """(version, safetensors body) of the slices that ``rank`` of ``world_size`` owns."""
+    def download(
+        self, fragment: int, world_size: int, rank: int, after: int | None = None
+    ) -> tuple[int, wire.Body | None]:
+        """(version, safetensors body) of the slices that ``rank`` of ``world_size`` owns;
+        the body is None if the version is not newer than ``after``.
+
+        The body's parts alias the served values (they never change): send them as
+        they are. Cheap enough for the event loop: no lock, no copy of the values.
+        """
         fs = self._fragment(fragment)
         if world_size < 1 or not 0 <= rank < world_size:
             raise CoordinatorError(422, f"rank {rank} is outside world size {world_size}")
-        fs.lock.acquire_read()
-        try:
-            version = fs.version
+        served = fs.served  # one read: version, values and bodies belong together
+        if after is not None and served.version <= after:
+            return served.version, None
+        body = served.bodies.get((world_size, rank))
+        if body is None:
             slices = {
-                s.name: fs.values[s.offset + a : s.offset + b]
+                s.name: served.values[s.offset + a : s.offset + b]
                 for s, (a, b) in zip(fs.segments, self._ranges(fs, world_size, rank))
             }
             header = wire.FragmentHeader(
-                fragment=fragment, version=version, world_size=world_size, rank=rank
+                fragment=fragment, version=served.version, world_size=world_size, rank=rank
             )
-            return version, wire.encode_fragment(header, slices)
-        finally:
-            fs.lock.release_read()
+            body = wire.fragment_parts(header, slices)
+            if len(served.bodies) < _MAX_CACHED_BODIES:  # bounded, whatever clients ask
+                served.bodies[(world_size, rank)] = body
+        return served.version, body
 
     def touch(self, island: str) -> None:
         with self._lock:
@@ -670,14 +703,15 @@ class Coordinator:
             log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
         grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
+        values = fs.values.clone()  # the served values stay as they are for the downloads
         fs.lock.acquire_write()
         try:
-            fs.optimizer.step(fs.values, grad)
+            fs.optimizer.step(values, grad)
             if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
-                self._make_durable(fs, version + 1)
+                self._make_durable(fs, values, version + 1)
             else:
                 self._reserve(fs.fragment.index, version + 1)
-            fs.version = version + 1
+            fs.publish(version + 1, values)
         finally:
             fs.lock.release_write()
         sync = time.perf_counter() - t0
@@ -722,7 +756,7 @@ class Coordinator:
             sync,
         )
 
-    def _make_durable(self, fs: _FragmentState, version: int) -> None:
+    def _make_durable(self, fs: _FragmentState, values: torch.Tensor, version: int) -> None:
         """Write the merged fragment (values + outer optimizer state) before it is served.
 
         A version is acknowledged once an island can see it; with this, every
@@ -731,8 +765,8 @@ class Coordinator:
         served; a restart resumes from the last durable version.
         """
         try:
-            self.store.write_fragment(
-                fs.fragment.index, version, fs.values, fs.optimizer.state_dict()
+            self.store.write_fragment(  # under the write lock: nothing changes while it writes
+                fs.fragment.index, version, values, fs.optimizer.state_dict(False)
             )
         except OSError as e:
             log.critical("fragment %d v%d not durable: %s; stopping", fs.fragment.index, version, e)
@@ -754,34 +788,27 @@ class Coordinator:
                 "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
             )
 
-    def next_wakeup(self) -> float | None:
-        """Earliest time a waiting round may close (None: nothing waits on a clock)."""
+    def schedule(self) -> tuple[list[int], float | None]:
+        """The fragments whose round should close now, and the earliest time another
+        waiting round may close (None: nothing else waits on a clock)."""
         now = self.clock()
-        wake = None
+        due, wake = [], None
         for i in range(len(self._frags)):
             d = self.decide(i, now)
-            t = now if d.merge else d.wait_until
-            if t is not None:
-                wake = t if wake is None else min(wake, t)
-        return wake
-
-    def due_fragments(self) -> list[int]:
-        now = self.clock()
-        return [i for i in range(len(self._frags)) if self.decide(i, now).merge]
+            if d.merge:
+                due.append(i)
+            elif d.wait_until is not None:
+                wake = d.wait_until if wake is None else min(wake, d.wait_until)
+        return due, wake
 
     # -------------------------------------------------------------- inspection
     def global_tensors(self) -> dict[str, torch.Tensor]:
         """Copies of the global parameters, full shapes (for tests and export)."""
         out = {}
         for fs in self._frags:
-            fs.lock.acquire_read()
-            try:
-                for seg, spec in zip(fs.segments, fs.fragment.params):
-                    out[seg.name] = (
-                        fs.values[seg.offset : seg.offset + seg.numel].clone().view(spec.shape)
-                    )
-            finally:
-                fs.lock.release_read()
+            values = fs.served.values  # never written in place: no lock needed
+            for seg, spec in zip(fs.segments, fs.fragment.params):
+                out[seg.name] = values[seg.offset : seg.offset + seg.numel].clone().view(spec.shape)
         return out
 
     def status(self) -> dict:

@@ -175,6 +175,10 @@ def merge_fragment(
     and segment, computed here when None. Each segment costs one pass over its
     (K, n) block: per-row coefficients make the combination one ``mv``; RDA
     segments are then rescaled in place to the weighted mean norm.
+
+    Returns ``out`` (allocated when None), except when a single contribution
+    carries all the weight: then its row of ``deltas`` itself (a view, not to be
+    written to), since the merge gives it back unchanged.
     """
     if deltas.dim() != 2 or deltas.dtype != torch.float32:
         raise ValueError(
@@ -191,16 +195,17 @@ def merge_fragment(
         raise ValueError(f"segments cover {covered} elements but deltas has F={f} columns")
     _check_segments(segments, f, "fragment")
     w = _weights_tensor(weights, k)
-    if out is None:
-        out = torch.empty(f, dtype=torch.float32, device=deltas.device)
-    elif out.shape != (f,) or out.dtype != torch.float32:
+    if out is not None and (out.shape != (f,) or out.dtype != torch.float32):
         raise ValueError(f"out must be a ({f},) float32 tensor, got {tuple(out.shape)} {out.dtype}")
 
     nonzero = torch.nonzero(w).flatten()
     if len(nonzero) == 1:
         # One contribution: both the weighted mean (w d / w) and RDA (|d| unit(unit(d)))
-        # give it back unchanged. K = 1 is the paper's default quorum, so skip the math.
-        return out.copy_(deltas[int(nonzero[0])])
+        # give it back unchanged. K = 1 is the paper's default quorum, so skip the math
+        # and the copy: the result is its row of ``deltas``.
+        return deltas[int(nonzero[0])]
+    if out is None:
+        out = torch.empty(f, dtype=torch.float32, device=deltas.device)
 
     if sq_norms is None:
         sq = torch.tensor(

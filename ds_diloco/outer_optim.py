@@ -128,10 +128,11 @@ class NesterovSGD:
         self._buf = _nesterov_update(param, grad, self._buf, self.lr, self.momentum)
         self._steps += 1
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, clone: bool = True) -> dict[str, Tensor]:
+        """``clone=False``: the buffers themselves, unchanged only until the next step."""
         d = {"num_steps": torch.tensor(self._steps, dtype=torch.int64)}
         if self._buf is not None:
-            d["momentum_buffer"] = self._buf.clone()
+            d["momentum_buffer"] = self._buf.clone() if clone else self._buf
         return d
 
     def load_state_dict(self, d: dict[str, Tensor]) -> None:
@@ -165,7 +166,7 @@ class Averaging:
             param.sub_(grad)
         self._steps += 1
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, clone: bool = True) -> dict[str, Tensor]:
         return {"num_steps": torch.tensor(self._steps, dtype=torch.int64)}
 
     def load_state_dict(self, d: dict[str, Tensor]) -> None:
@@ -230,15 +231,16 @@ class DelayedNesterov:
                 param.add_(grad, alpha=-self.lr).add_(buf, alpha=-self.lr * self.momentum)
         self._steps = n
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, clone: bool = True) -> dict[str, Tensor]:
+        """``clone=False``: the buffers themselves, unchanged only until the next step."""
         d = {
             "num_steps": torch.tensor(self._steps, dtype=torch.int64),
             "every": torch.tensor(self.every, dtype=torch.int64),
         }
         if self._buf is not None:
-            d["momentum_buffer"] = self._buf.clone()
+            d["momentum_buffer"] = self._buf.clone() if clone else self._buf
         if self._steps % self.every and self._acc is not None:
-            d["accumulator"] = self._acc.clone()
+            d["accumulator"] = self._acc.clone() if clone else self._acc
         return d
 
     def load_state_dict(self, d: dict[str, Tensor]) -> None:

@@ -16,6 +16,7 @@ import logging
 import signal
 import threading
 
+import numpy as np
 from aiohttp import web
 
 from ds_diloco import wire
@@ -28,6 +29,31 @@ VERSION_HEADER = wire.VERSION_HEADER
 _IDLE_POLL_S = 0.25
 _MAX_WAIT_S = 30.0  # longest long poll
 _READ_BUFSIZE = 16 * 1024 * 1024
+_SMALL_WRITE = 64 * 1024  # download parts below this are joined before sending
+
+
+def _coalesce(parts, small: int = _SMALL_WRITE):
+    """The parts for sending: runs of small ones joined (fewer sends), large ones as they are.
+
+    aiohttp joins whatever it is given with the HTTP headers into one new buffer:
+    a small first chunk keeps that copy small.
+    """
+    run: list = []
+    size = 0
+    for p in parts:
+        if len(p) >= small:
+            if run:
+                yield b"".join(run)
+                run, size = [], 0
+            yield p
+        else:
+            run.append(p)
+            size += len(p)
+            if size >= small:
+                yield b"".join(run)
+                run, size = [], 0
+    if run:
+        yield b"".join(run)
 
 
 class CoordinatorServer:
@@ -164,15 +190,15 @@ class CoordinatorServer:
             self._kick.set()
         return web.json_response(reply)
 
-    async def _read_body(self, request) -> bytearray | bytes:
+    async def _read_body(self, request) -> memoryview | bytes:
         """The body into one buffer allocated once (aiohttp's read() copies it twice)."""
         n = request.content_length
         if n is None:
             return await request.read()  # chunked: aiohttp enforces client_max_size
         if n > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=n)
-        body = bytearray(n)
-        view, pos = memoryview(body), 0
+        # Not zero-filled (bytearray(n) is): every byte is written below before it is read.
+        view, pos = memoryview(np.empty(n, dtype=np.uint8)), 0
         while pos < n:
             chunk = await request.content.readany()
             if not chunk:
@@ -181,7 +207,7 @@ class CoordinatorServer:
                 raise CoordinatorError(400, f"body longer than its Content-Length {n}")
             view[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
-        return body
+        return view
 
     async def download(self, request):
         try:
@@ -195,26 +221,30 @@ class CoordinatorServer:
             ) from None
         if request.query.get("island"):
             self.coord.touch(request.query["island"])
-        versions = self.coord.versions()
-        if after is not None and 0 <= fragment < len(versions) and versions[fragment] <= after:
+        # On the loop: no lock, no copy (the body aliases the served values).
+        version, body = self.coord.download(fragment, world_size, rank, after)
+        if body is None:
             return web.Response(status=304, headers={VERSION_HEADER: str(after)})
-        version, body = await self._run(self.coord.download, fragment, world_size, rank)
-        return web.Response(
-            body=body,
-            content_type="application/octet-stream",
-            headers={VERSION_HEADER: str(version)},
-        )
+        resp = web.StreamResponse(headers={VERSION_HEADER: str(version)})
+        resp.content_type = "application/octet-stream"
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        for chunk in _coalesce(body.parts):
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
 
     # -------------------------------------------------------------- round loop
     async def _round_loop(self):
         loop = asyncio.get_running_loop()
         busy: dict[int, asyncio.Future] = {}
         while True:
-            for i in await self._run(self.coord.due_fragments):
+            due, wake = await self._run(self.coord.schedule)
+            for i in due:
                 if i not in busy:
                     busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i)
                     busy[i].add_done_callback(lambda _f, i=i: self._merge_done(busy, i))
-            wake = await self._run(self.coord.next_wakeup)
+            # A merge kicks the loop when it is done: its fragment needs no wake-up time.
             delay = _IDLE_POLL_S if wake is None else max(0.0, wake - self.coord.clock())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=min(delay, _IDLE_POLL_S))

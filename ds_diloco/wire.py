@@ -15,6 +15,7 @@ import dataclasses
 import json
 import struct
 import sys
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -31,6 +32,7 @@ _DTYPES = {
     "I64": torch.int64,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {t: torch.empty((), dtype=t).element_size() for t in _DTYPES.values()}
 
 
 class WireError(ValueError):
@@ -158,13 +160,15 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
     meta, entries = _parse_header(view[8 : 8 + hlen])
     data = view[8 + hlen :]
     tensors: dict[str, torch.Tensor] = {}
-    for e in _check_layout(entries, len(data)):
-        try:
-            tensors[e.name] = _frombuffer(data[e.start : e.end], e.dtype, e.numel).view(e.shape)
-        except (RuntimeError, TypeError) as err:  # an empty tensor whose dims overflow int64
-            raise WireError(
-                f"malformed body: tensor {e.name!r} has shape {e.shape} ({err})"
-            ) from None
+    with warnings.catch_warnings():  # frombuffer warns on read-only buffers; we never write them
+        warnings.simplefilter("ignore", UserWarning)
+        for e in _check_layout(entries, len(data)):
+            try:
+                tensors[e.name] = _frombuffer(data[e.start : e.end], e.dtype, e.numel).view(e.shape)
+            except (RuntimeError, TypeError) as err:  # an empty tensor whose dims overflow int64
+                raise WireError(
+                    f"malformed body: tensor {e.name!r} has shape {e.shape} ({err})"
+                ) from None
     return meta, tensors
 
 
@@ -221,7 +225,7 @@ def _check_layout(entries: list[_Entry], data_len: int) -> list[_Entry]:
     """The entries, checked to tile ``data_len`` bytes exactly, in order, without gaps."""
     end_expected = 0
     for e in entries:
-        itemsize = torch.empty((), dtype=e.dtype).element_size()
+        itemsize = _ITEMSIZE[e.dtype]
         if e.start != end_expected or e.end - e.start != e.numel * itemsize or e.end > data_len:
             raise WireError(
                 f"malformed body: tensor {e.name!r} offsets [{e.start}, {e.end}) do not match "
@@ -299,11 +303,7 @@ def _frombuffer(buf: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor
         return torch.empty(0, dtype=dtype)
     if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
         raise WireError("big-endian hosts are not supported")
-    import warnings
-
-    with warnings.catch_warnings():  # frombuffer warns on read-only buffers; we never write them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype, count=numel)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)  # callers silence its read-only warning
 
 
 def encode_upload(header: UploadHeader, slices: Mapping[str, torch.Tensor]) -> bytes:
@@ -343,6 +343,12 @@ def decode_upload_with_metadata(
 
 def encode_fragment(header: FragmentHeader, slices: Mapping[str, torch.Tensor]) -> bytes:
     return encode(slices, _header_to_meta(header))
+
+
+def fragment_parts(header: FragmentHeader, slices: Mapping[str, torch.Tensor]) -> Body:
+    """A download as parts aliasing ``slices`` (what the coordinator sends); the same
+    bytes as :func:`encode_fragment`."""
+    return encode_parts(slices, _header_to_meta(header))
 
 
 def decode_fragment(body: bytes) -> tuple[FragmentHeader, dict[str, torch.Tensor]]:

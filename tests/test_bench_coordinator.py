@@ -16,6 +16,7 @@ import torch
 from ds_diloco import cli
 from ds_diloco.bench.coordinator import (
     bench_outer_step,
+    bench_round_cpu,
     bench_upload,
     llama_config,
     model_specs,
@@ -73,14 +74,25 @@ def test_upload_bench_times_accepted_uploads_without_merges():
     assert run.comparison.phases["coordinator_upload_in_process"] > 0
 
 
+def test_round_cpu_bench_merges_once_per_round_in_a_coordinator_process():
+    run = bench_round_cpu(llama_config(0.5), rounds=3, world_size=2, warmup=1)
+    assert run.versions == (1, 4)  # every round closed with a merge that both ranks got
+    assert run.rounds == 3 and run.world_size == 2 and run.fragment_bytes > 0
+    assert run.cpu_s >= 0 and run.wall_s > 0
+    assert run.to_json()["cpu_s_per_round"] == run.cpu_s / 3
+
+
 def test_cli_prints_the_table_and_writes_the_json_summary(tmp_path, capsys):
     path = tmp_path / "bench.json"
     argv = ["bench", "coordinator", "--fragment-mb", "0.5", "--contributions", "2"]
     assert cli.main([*argv, "--repeats", "1", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "(a) outer step" in out and "(b) upload" in out and out.count("ratio") == 5
+    assert "(c) coordinator process CPU per round" in out
     summary = json.loads(path.read_text())
     assert [c["name"] for c in summary["outer_step"]] == [f"outer step K={k}" for k in (1, 2, 4, 8)]
     for c in [*summary["outer_step"], summary["upload"]]:
         assert c["ratio"] > 0 and c["measured"]["bytes_per_s"] > 0
         assert c["baseline"]["bytes_per_s"] > 0
+    [rounds] = summary["round_cpu"]  # 0.5 MiB is below the tiny Llama's fragment: one size
+    assert rounds["rounds"] == 4 and rounds["versions"][1] - rounds["versions"][0] == 4

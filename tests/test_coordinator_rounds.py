@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -300,15 +299,71 @@ def test_requests_are_served_while_a_fragment_is_being_written(tiny_config_path,
             assert requests.get(srv.url + "/healthz", timeout=5).json()["ok"]
             assert client.status()["versions"] == [0, 0]
             assert client.download(1, 1, 0)[0] == 0  # another fragment: not blocked
+            # The fragment being merged: its served version, whole (a merge steps a copy).
+            version, slices = client.download(0, 1, 0)
+            assert version == 0
+            served = srv.coord.global_tensors()
+            frag = srv.coord.plan.fragments[0]
+            assert all(torch.equal(slices[p.name], served[p.name].reshape(-1)) for p in frag.params)
             assert time.perf_counter() - t0 < 5
-            done = threading.Event()
-            threading.Thread(
-                target=lambda: (client.download(0, 1, 0), done.set()), daemon=True
-            ).start()
-            assert not done.wait(0.5), "a download must not read a fragment mid-update"
         finally:
             fs.lock.release_write()
-        assert done.wait(5), "the download completes once the update is done"
+
+
+def _download_bytes(coord, fragment, world_size, rank):
+    version, body = coord.download(fragment, world_size, rank)
+    return version, body, bytes(body)
+
+
+def _fresh_encoding(coord, fragment, world_size, rank):
+    """What a download must hold: the global values' slices, encoded from scratch."""
+    frag = coord.plan.fragments[fragment]
+    full = coord.global_tensors()
+    header = wire.FragmentHeader(
+        fragment=fragment, version=coord.versions()[fragment], world_size=world_size, rank=rank
+    )
+    return wire.encode_fragment(header, rank_slices(frag, full, world_size, rank))
+
+
+def test_download_bodies_are_cached_per_version_and_equal_a_fresh_encoding(
+    tiny_config_path, tmp_path
+):
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 2, coord.plan.signature)
+    v0, body0, raw0 = _download_bytes(coord, 0, 2, 1)
+    assert v0 == 0 and raw0 == _fresh_encoding(coord, 0, 2, 1)
+    assert coord.download(0, 2, 1)[1] is body0  # another island of world size 2: no new encoding
+    assert coord.download(0, 2, 1, after=0) == (0, None)  # not newer: nothing to send
+    other = coord.download(0, 2, 0)[1]
+    assert other is not body0 and bytes(other) == _fresh_encoding(coord, 0, 2, 0)
+
+    before = coord.global_tensors()
+    send(coord, "a", 0, step=2, world_size=2, scale=1e-2)
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    v1, body1, raw1 = _download_bytes(coord, 0, 2, 1)
+    assert v1 == 1 and body1 is not body0  # a new version: encoded again
+    assert raw1 == _fresh_encoding(coord, 0, 2, 1) and raw1 != raw0
+    assert coord.download(0, 2, 1, after=0)[1] is body1
+    # The old body aliased the values of version 0: the merge stepped a copy, so a
+    # download still being sent goes out whole and unchanged.
+    assert bytes(body0) == raw0
+    header, slices = wire.decode_fragment(bytes(body0))
+    assert header.version == 0
+    want = rank_slices(coord.plan.fragments[0], before, 2, 1)
+    assert all(torch.equal(slices[n], t) for n, t in want.items())
+
+
+def test_download_cache_is_bounded(tiny_config_path, tmp_path):
+    from ds_diloco import coordinator as coordinator_mod
+
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=PolicyOptions(tau=1))
+    n = coordinator_mod._MAX_CACHED_BODIES
+    for rank in range(n + 5):
+        assert coord.download(1, n + 5, rank)[0] == 0
+    assert len(coord._frags[1].served.bodies) == n
+    last = coord.download(1, n + 5, n + 4)[1]  # served, encoded each time, still right
+    assert bytes(last) == _fresh_encoding(coord, 1, n + 5, n + 4)
 
 
 def test_versions_stay_above_every_served_one_across_reservation_blocks(tiny_config_path, tmp_path):

@@ -18,6 +18,18 @@ and ``min_quorum`` is 2, so the round never closes (checked: the version must
 not move). The same body sent to ``Coordinator.upload`` in-process splits the
 HTTP time into the coordinator's work and the transport's.
 
+(c) Coordinator CPU per round: what a coordinator costs the host it runs on for
+one round of the island bench's workload. The coordinator runs as its own
+process (``ds-diloco coordinator``, as in production and in ``bench island``);
+each of the W ranks of one island (a thread here) uploads its slices of the
+fragment, waits for the new version (long poll), and downloads its slices into
+preallocated tensors, as the syncer does; quorum 1, so every round merges, with
+the outer Nesterov step and the durable write. Reported: the process's CPU time
+(user + system, from ``/proc``, in 10 ms ticks: so over all rounds) per round,
+at the fragment size asked for and at the tiny Llama's (about 2 MiB, 8 fragments
+in ``bench island``). No baseline: the figure is what competes with the islands
+for the cores.
+
 The machine is noisy: measured and baseline repetitions are interleaved, in an
 order that rotates every round, after one untimed warm-up each, and medians are
 compared. The ratios are the result; absolute figures depend on the machine.
@@ -30,6 +42,8 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -62,6 +76,10 @@ DEFAULT_KS = (1, 4, 8)
 
 TOKEN = "bench-token"
 _LAYERS = 4
+TINY_FRAGMENT_MB = 2.0
+"""About one fragment of the tiny Llama in ``bench island`` (16 MiB fp32 in 8 fragments)."""
+ROUNDS_PER_REPEAT = 4
+"""(c): timed rounds per ``--repeats``: CPU times come in 10 ms ticks."""
 
 
 # --------------------------------------------------------------------- results
@@ -421,13 +439,175 @@ def _time_uploads(srv: ServerThread, repeats: int, seed: int) -> UploadRun:
     )
 
 
+# ---------------------------------------------------- (c) coordinator CPU per round
+@dataclass
+class RoundCpuRun:
+    """A finished CPU-per-round measurement of a coordinator process."""
+
+    fragment_bytes: int
+    world_size: int
+    rounds: int
+    cpu_s: float
+    """Coordinator CPU seconds (user + system) of all timed rounds."""
+    wall_s: float
+    versions: tuple[int, int]
+    """The fragment's version before and after the timed rounds (one merge per round)."""
+
+    @property
+    def cpu_s_per_round(self) -> float:
+        return self.cpu_s / self.rounds
+
+    def to_json(self) -> dict:
+        return {
+            "fragment_bytes": self.fragment_bytes,
+            "world_size": self.world_size,
+            "rounds": self.rounds,
+            "cpu_s": self.cpu_s,
+            "wall_s": self.wall_s,
+            "cpu_s_per_round": self.cpu_s_per_round,
+            "versions": list(self.versions),
+        }
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far, from ``/proc`` (Linux)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_round_cpu(
+    config: dict, rounds: int, world_size: int = 2, warmup: int = 2, seed: int = 0
+) -> RoundCpuRun:
+    """CPU of a coordinator process per round: W uploads, the merge, W downloads."""
+    if rounds < 1 or world_size < 1:
+        raise ValueError(f"rounds and world_size must be >= 1, got {rounds}, {world_size}")
+    with tempfile.TemporaryDirectory(prefix="ds-diloco-bench-cpu-") as tmp:
+        model = os.path.join(tmp, "llama.json")
+        with open(model, "w") as fh:
+            json.dump(config, fh)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        coordinator = {
+            "model": {"config": model, "seed": seed},
+            "state_dir": os.path.join(tmp, "state"),
+            "num_fragments": 1,
+            "sync_every": 2,
+            "host": "127.0.0.1",
+            "port": port,
+            "token": TOKEN,
+            "policy": {"min_quorum": 1, "grace_gamma": 0.0, "tau": 1},
+            "max_body_mb": 1024.0,
+            "durable_merges": True,
+        }
+        path = os.path.join(tmp, "coordinator.json")
+        with open(path, "w") as fh:
+            json.dump(coordinator, fh)
+        with open(os.path.join(tmp, "coordinator.log"), "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", path],
+                stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")},
+            )  # fmt: skip
+        try:
+            return _time_rounds(proc, f"http://127.0.0.1:{port}", rounds, world_size, warmup, seed)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, client: CoordinatorClient, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with {proc.returncode}")
+        try:
+            client.health()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _time_rounds(
+    proc: subprocess.Popen, url: str, rounds: int, world_size: int, warmup: int, seed: int
+) -> RoundCpuRun:
+    clients = [CoordinatorClient(url, TOKEN, retries=0) for _ in range(world_size)]
+    try:
+        _wait_healthy(proc, clients[0], timeout_s=300)
+        plan = FragmentPlan.from_json(clients[0].plan()["plan"])
+        frag = plan.fragments[0]
+        clients[0].register("bench", world_size, plan.signature)
+        gen = torch.Generator().manual_seed(seed)
+        full = {p.name: torch.randn(p.shape, generator=gen).mul_(1e-3) for p in frag.params}
+        slices = [
+            {n: t.clone() for n, t in rank_slices(frag, full, world_size, r).items()}
+            for r in range(world_size)
+        ]
+        dest = [{n: torch.empty_like(t) for n, t in s.items()} for s in slices]
+        del full
+        errors: list[BaseException] = []
+
+        def rank(r: int, step: int, base: int) -> None:
+            try:
+                header = wire.UploadHeader(
+                    island="bench", rank=r, world_size=world_size, fragment=0,
+                    base_version=base, step=step, tokens=4096, steps=2,
+                )  # fmt: skip
+                reply = clients[r].upload(header, slices[r])
+                if reply["status"] != "accepted":
+                    raise RuntimeError(f"upload not accepted: {reply}")
+                while clients[r].versions("bench", known=[base], wait=10.0)[0] <= base:
+                    pass
+                got = clients[r].download_into(0, world_size, r, dest[r], after=base)
+                if got is None or got <= base:
+                    raise RuntimeError(f"rank {r}: no new version after {base}")
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        def one_round(step: int) -> None:
+            base = clients[0].versions()[0]
+            threads = [
+                threading.Thread(target=rank, args=(r, step, base)) for r in range(world_size)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise RuntimeError(f"a rank failed: {errors[0]!r}") from errors[0]
+
+        for step in range(1, warmup + 1):
+            one_round(step)
+        v0 = clients[0].versions()[0]
+        c0, t0 = process_cpu_s(proc.pid), time.perf_counter()
+        for step in range(warmup + 1, warmup + rounds + 1):
+            one_round(step)
+        cpu, wall = process_cpu_s(proc.pid) - c0, time.perf_counter() - t0
+        v1 = clients[0].versions()[0]
+    finally:
+        for c in clients:
+            c.session.close()  # an open keep-alive connection would hold up the server's stop
+    return RoundCpuRun(frag.nbytes, world_size, rounds, cpu, wall, (v0, v1))
+
+
 # ------------------------------------------------------------------- report
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
 def format_report(
-    header: str, outer: Sequence[Comparison], upload: Comparison, headline_k: int
+    header: str,
+    outer: Sequence[Comparison],
+    upload: Comparison,
+    headline_k: int,
+    rounds: Sequence[RoundCpuRun] = (),
 ) -> str:
     lines = [header, "(a) outer step (bytes = (K+2) x F x 4) vs torch copy_ of as many bytes"]
     for c in outer:
@@ -450,6 +630,16 @@ def format_report(
         f"{_ms(inproc)}; the rest of the HTTP time (client, socket, aiohttp): "
         f"{_ms(upload.measured.median_s - inproc)}",
     ]
+    if rounds:
+        lines.append(
+            f"(c) coordinator process CPU per round ({rounds[0].world_size} ranks upload, merge "
+            "with outer step and durable write, the ranks download):"
+        )
+    for r in rounds:
+        lines.append(
+            f"    fragment {r.fragment_bytes / 2**20:.1f} MiB: {_ms(r.cpu_s_per_round)} CPU per "
+            f"round (over {r.rounds} rounds; wall {_ms(r.wall_s / r.rounds)} per round)"
+        )
     return "\n".join(lines)
 
 
@@ -469,13 +659,22 @@ def main(args) -> int:
     upload = bench_upload(config, args.repeats)
     if upload.merges_during_timing:
         raise RuntimeError("a merge ran during the upload timing: the figures are not uploads")
+    rounds = []
+    if os.path.exists(f"/proc/{os.getpid()}/stat"):  # process CPU times: Linux
+        sizes = (
+            [args.fragment_mb]
+            if args.fragment_mb <= TINY_FRAGMENT_MB
+            else [TINY_FRAGMENT_MB, args.fragment_mb]
+        )
+        for mb in sizes:
+            rounds.append(bench_round_cpu(llama_config(mb), ROUNDS_PER_REPEAT * args.repeats))
     header = (
         f"ds-diloco bench coordinator  (fragment {4 * f / 2**20:.1f} MiB fp32 = "
         f"{len(segments)} tensors of a {config['num_hidden_layers']}-layer Llama, hidden "
         f"{config['hidden_size']}, vocab {config['vocab_size']}; {torch.get_num_threads()} "
         f"torch threads; median of {args.repeats}, interleaved)"
     )
-    print(format_report(header, outer, upload.comparison, args.contributions), flush=True)
+    print(format_report(header, outer, upload.comparison, args.contributions, rounds), flush=True)
     path = getattr(args, "json", None)
     if path:
         summary = {
@@ -487,6 +686,7 @@ def main(args) -> int:
             "contributions": args.contributions,
             "outer_step": [c.to_json() for c in outer],
             "upload": upload.comparison.to_json(),
+            "round_cpu": [r.to_json() for r in rounds],
         }
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=2)

@@ -1,0 +1,126 @@
+"""The state directory's durable writes: parts written as they are, swapped in with a spare."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from ds_diloco import state_store, wire
+from ds_diloco.state_store import StateStore, atomic_write, spare_path
+
+exchange = pytest.mark.skipif(state_store._renameat2 is None, reason="no renameat2 here")
+
+
+def _fragment(seed: int, n: int = 1000):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), {
+        "num_steps": torch.tensor(seed, dtype=torch.int64),
+        "momentum_buffer": torch.randn(n, generator=g),
+    }
+
+
+def _old_encoding(index, version, values, optim) -> bytes:
+    """What write_fragment wrote before it wrote parts: one joined buffer."""
+    tensors = {"values": values, **{f"optim.{k}": v.reshape(-1) for k, v in optim.items()}}
+    shapes = {k: list(v.shape) for k, v in optim.items()}
+    meta = {"fragment": str(index), "version": str(version), "optim_shapes": json.dumps(shapes)}
+    return wire.encode(tensors, meta)
+
+
+def test_fragment_file_is_the_joined_encoding_and_reads_back(tmp_path):
+    store = StateStore(tmp_path)
+    for version in (3, 4):  # a new file, then a rewrite through the spare
+        values, optim = _fragment(version)
+        store.write_fragment(7, version, values, optim)
+        path = tmp_path / "fragments" / "frag-00007.safetensors"
+        assert path.read_bytes() == _old_encoding(7, version, values, optim)
+        got_version, got_values, got_optim = store.read_fragment(7)
+        assert got_version == version and torch.equal(got_values, values)
+        assert set(got_optim) == set(optim)
+        assert all(torch.equal(got_optim[k], optim[k]) for k in optim)
+
+
+@exchange
+def test_a_rewrite_swaps_the_file_with_its_spare(tmp_path):
+    path = tmp_path / "f.bin"
+    atomic_write(path, b"first", keep_spare=True)
+    assert not spare_path(path).exists()  # a new file: written under a temporary name
+    atomic_write(path, [b"sec", memoryview(b"ond!")], keep_spare=True)
+    assert path.read_bytes() == b"second!" and spare_path(path).read_bytes() == b"first"
+    atomic_write(path, b"3", keep_spare=True)  # shorter than the spare it overwrites
+    assert path.read_bytes() == b"3" and spare_path(path).read_bytes() == b"second!"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".f.bin.spare", "f.bin"]
+    atomic_write(path, b"plain")  # without keep_spare: the classic rename, spare untouched
+    assert path.read_bytes() == b"plain" and spare_path(path).read_bytes() == b"second!"
+
+
+def test_without_the_swap_the_spare_is_renamed_over_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(state_store, "_exchange", lambda a, b: False)
+    path = tmp_path / "f.bin"
+    for data in (b"one", b"two", b"three"):
+        atomic_write(path, data, keep_spare=True)
+        assert path.read_bytes() == data and not spare_path(path).exists()
+
+
+def test_a_crash_before_the_swap_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    store = StateStore(tmp_path)
+    values, optim = _fragment(1)
+    store.write_fragment(0, 1, values, optim)
+    store.write_fragment(0, 2, *_fragment(2))  # the spare now exists: the next write uses it
+    old = store.read_fragment(0)
+
+    def crash(a, b):
+        raise OSError("killed between the spare's fsync and the swap")
+
+    monkeypatch.setattr(state_store, "_exchange", crash)
+    with pytest.raises(OSError, match="killed"):
+        store.write_fragment(0, 3, *_fragment(3))
+    version, got, _ = store.read_fragment(0)
+    assert version == old[0] == 2 and torch.equal(got, old[1])
+    # A torn spare (a crash while it was written) is never read, and the next write heals it.
+    spare_path(tmp_path / "fragments" / "frag-00000.safetensors").write_bytes(b"\x00" * 99)
+    monkeypatch.undo()
+    assert store.read_fragment(0)[0] == 2
+    values, optim = _fragment(4)
+    store.write_fragment(0, 4, values, optim)
+    assert torch.equal(store.read_fragment(0)[1], values)
+
+
+def test_short_writes_are_resumed(tmp_path, monkeypatch):
+    real = os.writev
+
+    def stingy(fd, buffers):  # at most 777 bytes per call, as a full pipe or disk may
+        budget, out = 777, []
+        for b in buffers:
+            out.append(memoryview(b)[:budget])
+            budget -= len(out[-1])
+            if not budget:
+                break
+        return real(fd, out)
+
+    monkeypatch.setattr(state_store.os, "writev", stingy)
+    parts = [bytes(range(256)) * 7, b"", memoryview(bytes(5000)), b"tail"]
+    for keep_spare in (False, True, True):
+        atomic_write(tmp_path / "f.bin", parts, keep_spare=keep_spare)
+        assert (tmp_path / "f.bin").read_bytes() == b"".join(bytes(p) for p in parts)
+
+
+def test_writers_of_the_same_file_never_mix(tmp_path):
+    path = tmp_path / "f.bin"
+    atomic_write(path, b"start", keep_spare=True)
+    contents = [bytes([i]) * (50_000 + 1000 * i) for i in range(4)]
+
+    def writer(data):
+        for _ in range(10):
+            atomic_write(path, data, keep_spare=True)
+
+    threads = [threading.Thread(target=writer, args=(c,)) for c in contents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert path.read_bytes() in contents
