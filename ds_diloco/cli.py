@@ -197,15 +197,30 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--num-fragments", type=int, default=None, help="P")
     bq.add_argument("--outer-lr", type=float, default=None, help="Decoupled (and sync) outer lr")
     bq.add_argument("--sync-outer-lr", type=float, default=None, help="sync DiLoCo's outer lr")
+    bq.add_argument("--momentum", type=float, default=None,
+                    help="Decoupled (and sync) outer Nesterov momentum")  # fmt: skip
+    bq.add_argument("--sync-momentum", type=float, default=None, help="sync DiLoCo's momentum")
+    bq.add_argument("--seeds", type=int, default=None,
+                    help="seeds of the three methods: loss ratio = mean over seeds (default 3)")  # fmt: skip
     bq.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "int4"],
                     help="codec of the main DiLoCo runs (default int4)")  # fmt: skip
     bq.add_argument("--no-codecs", action="store_true", help="skip the codec variants")
     bq.add_argument("--no-hetero", action="store_true", help="skip the heterogeneous variant")
     bq.add_argument("--hetero-sync", action="store_true",
                     help="also run sync DiLoCo with the slow island (one more run)")  # fmt: skip
+    bq.add_argument("--grace-gamma", type=float, default=None,
+                    help="Decoupled DiLoCo's grace-window safety factor")  # fmt: skip
+    bq.add_argument("--stale", default=None,
+                    help="variants: Decoupled DiLoCo with these stale modes, comma-separated "
+                    "(drop, next, next-sgd, async; 'none': no variant)")  # fmt: skip
     bq.add_argument("--tune", action="store_true",
-                    help="only pick the outer lr of each DiLoCo method on the tuning split")  # fmt: skip
+                    help="only pick the outer settings of each DiLoCo method on the tuning split")  # fmt: skip
     bq.add_argument("--tune-lrs", default="0.1,0.2,0.4,0.7", help="outer lrs --tune tries")
+    bq.add_argument("--tune-momenta", default=None, help="momenta --tune tries (default 0.9)")
+    bq.add_argument("--tune-seeds", type=int, default=1, help="seeds per setting --tune runs")
+    bq.add_argument("--tune-kinds", default="sync,decoupled", help="methods --tune tunes")
+    bq.add_argument("--tune-stale", default="drop",
+                    help="stale mode of Decoupled DiLoCo under --tune (default drop)")  # fmt: skip
     bq.add_argument("--workdir", default=None, help="runs go here (default runs/bench-quality)")
     bq.add_argument("--plot", metavar="PNG", default=None, help="default WORKDIR/quality.png")
     for parser in (bc, bi, bq):

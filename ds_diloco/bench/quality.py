@@ -43,8 +43,22 @@ A lock-step job would instead slow every step to the slowest rank's; its time
 is estimated as the baseline's training time + steps x the delay
 (``--hetero-sync`` also runs synchronous DiLoCo with the slow island).
 
-Size: the defaults (tiny Llama, 80 steps, 7 runs) took 9.5 minutes on 2 shared CPU
-cores; ``--steps`` scales the budget, ``--preset 125m`` moves to GPUs.
+Seeds. One run of a method is noisy: which island's upload closes a K = 1 round
+depends on how the islands happen to be out of phase, and so does how many
+contributions are dropped as stale. The three methods therefore run with
+``seeds`` seeds (model initialisation and every rank's batch order; the
+held-out split stays the same), and the loss ratio reported is the mean over
+seeds of each seed's ratio to the baseline of the same seed, with its spread.
+The variants run seed 0 only. Every DiLoCo run reports what the coordinator
+merged and dropped: contributions per island, the inner steps in them, and the
+staleness of the merged ones.
+
+Stale contributions. Besides the paper's rule (dropped), the variant
+``stale-decoupled`` runs the prototype of ``stale_merge.py``: a contribution one
+version stale rides along with the fragment's next round.
+
+Size: the defaults (tiny Llama, 80 steps, 3 seeds, 14 runs) take about 15 minutes
+on 2 CPU cores; ``--steps`` scales the budget, ``--preset 125m`` moves to GPUs.
 """
 
 from __future__ import annotations
@@ -91,7 +105,7 @@ class Setup:
     """What every method shares, and the DiLoCo runs' outer settings."""
 
     model_config: str = str(REPO / "model_configs" / "tiny-llama.json")
-    """HF config.json of the model (initialised with seed 0, the same for every method)."""
+    """HF config.json of the model (initialised with the run's seed, the same for every method)."""
     deepspeed_config: str = str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json")
     """ZeRO-3 config of every job (baseline and islands)."""
     corpus: str = dataclasses.field(default_factory=default_corpus)
@@ -117,6 +131,15 @@ class Setup:
     """Synchronous DiLoCo's outer learning rate; ``--tune`` picked 0.4 too (6.433, 6.238,
     6.184, 6.430)."""
     momentum: float = 0.9
+    """Decoupled DiLoCo's outer Nesterov momentum."""
+    sync_momentum: float = 0.9
+    """Synchronous DiLoCo's outer Nesterov momentum."""
+    stale_lambda: float = 1.0
+    """Stale modes other than ``drop``: a contribution s versions stale weighs its token
+    weight / (1 + stale_lambda x s)."""
+    seeds: int = 3
+    """Seeds of the three main methods (model initialisation and batch order 0, 1, ...):
+    their losses and loss ratios are reported as mean and spread over seeds."""
     num_fragments: int = 12
     """P."""
     sync_every: int = 12
@@ -137,7 +160,7 @@ class Setup:
     workdir: str = "runs/bench-quality"
 
     def __post_init__(self):
-        for name in ("islands", "ranks_per_island", "steps", "micro_batch", "points"):
+        for name in ("islands", "ranks_per_island", "steps", "micro_batch", "points", "seeds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.compression not in CODECS:
@@ -160,8 +183,18 @@ class Setup:
         return self.steps * self.ranks * self.micro_batch * self.seq_len
 
     def outer(self, kind: str) -> str:
-        c = f"Nesterov lr {self.sync_outer_lr if kind == 'sync' else self.outer_lr:g}"
-        return f"{c} momentum {self.momentum:g}"
+        if kind == "sync":
+            return f"Nesterov lr {self.sync_outer_lr:g} momentum {self.sync_momentum:g}"
+        return f"Nesterov lr {self.outer_lr:g} momentum {self.momentum:g}"
+
+    def method(self, key: str, kind: str, **kw) -> Method:
+        """A method with this setup's outer settings for its kind (``kw`` overrides)."""
+        if kind != "zero3":
+            sync = kind == "sync"
+            kw.setdefault("codec", self.compression)
+            kw.setdefault("outer_lr", self.sync_outer_lr if sync else self.outer_lr)
+            kw.setdefault("momentum", self.sync_momentum if sync else self.momentum)
+        return Method(key, kind, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,20 +206,45 @@ class Method:
     """``zero3``, ``sync`` or ``decoupled``."""
     codec: str = "none"
     outer_lr: float = 0.7
+    momentum: float = 0.9
     slow_s: float = 0.0
     """Island 0's sleep after each step (heterogeneous variant); it then trains half the steps."""
+    seed: int = 0
+    """Model initialisation and batch order of every rank."""
+    stale: str = "drop"
+    """What becomes of a contribution computed against an older version (``STALE``)."""
+    outer: str = "nesterov"
+    """Outer optimizer: ``nesterov`` or ``delayed_nesterov`` (momentum every M merges)."""
+
+    def __post_init__(self):
+        if self.stale not in STALE:
+            raise ValueError(f"stale must be one of {tuple(STALE)}, got {self.stale!r}")
 
     @property
     def label(self) -> str:
         extra = f", {self.codec}" if self.kind != "zero3" else ""
+        stale = f", {STALE[self.stale]}" if self.stale != "drop" else ""
+        outer = ", delayed Nesterov" if self.outer == "delayed_nesterov" else ""
         slow = ", island 0 at half speed" if self.slow_s else ""
-        return f"{LABELS[self.kind]}{extra}{slow}"
+        return f"{LABELS[self.kind]}{extra}{stale}{outer}{slow}"
+
+
+STALE = {
+    "drop": "stale dropped",
+    "next": "stale merged next round",
+    "next-sgd": "stale merged next round by SGD",
+    "async": "stale merged on arrival",
+}
+"""Stale contributions: ``drop`` (weight 0, the paper); ``next``: one version stale, they
+ride along with the fragment's next round (``stale_merge.py``); ``next-sgd``: the same,
+applied by plain SGD after the round's outer step; ``async``: the coordinator's
+``staleness: discount`` mode, in which a stale arrival opens a round of its own."""
 
 
 def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
     """The run file of one method (``workdir`` absolute: island configs are read from it)."""
     workdir = workdir.resolve()
-    model = ModelSource(config=s.model_config, seed=0)
+    model = ModelSource(config=s.model_config, seed=m.seed)
     every = max(1, s.steps // s.points)
     if m.kind == "zero3":
         islands = (IslandSpec(name="zero3", world_size=s.ranks, include=_gpus(s, 0, s.ranks)),)
@@ -204,13 +262,17 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
         state_dir=str(workdir / "state"),
         num_fragments=s.num_fragments,
         sync_every=s.sync_every,
-        outer=OuterOptimConfig(name="nesterov", lr=m.outer_lr, momentum=s.momentum),
+        outer=OuterOptimConfig(name=m.outer, lr=m.outer_lr, momentum=m.momentum, every=s.islands),
         policy=PolicyOptions(
             min_quorum=s.islands if sync else 1,
             grace_gamma=0.0 if sync else s.grace_gamma,
             tau=s.tau,
         ),
-        staleness=StalenessPolicy(mode="drop"),
+        staleness=(
+            StalenessPolicy(mode="discount", discount_lambda=s.stale_lambda)
+            if m.stale != "drop"
+            else StalenessPolicy(mode="drop")
+        ),
         compression=Codec(name=m.codec, block=s.block),
     )
     return RunConfig(
@@ -231,6 +293,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             log_every=max(1, min(5, every)),
             eval_every=eval_every,
             eval_batches=eval_batches,
+            seed=m.seed,
         ),
         islands=islands,
         coordinator=coordinator,
@@ -264,10 +327,19 @@ class Evaluator:
             )
         self.eval, self.tune = heldout[: s.eval_blocks], heldout[s.eval_blocks : 2 * s.eval_blocks]
         self.batch = 32  # per forward: larger batches evaluate several times faster on CPU
+        self.model_config = s.model_config
         self.model = build_model(ModelSource(config=s.model_config, seed=0))
         self.params = sum(p.numel() for p in self.model.parameters())
-        self.initial = self.loss()
-        self.initial_tune = self.loss(tune=True)
+        self._initial: dict[int, float] = {}
+
+    def initial(self, seed: int = 0) -> float:
+        """Held-out loss of the initial model of ``seed`` (every method starts from it)."""
+        from ds_diloco.hf_model import build_model
+
+        if seed not in self._initial:
+            init = build_model(ModelSource(config=self.model_config, seed=seed))
+            self._initial[seed] = self.loss(dict(init.named_parameters()))
+        return self._initial[seed]
 
     @torch.no_grad()
     def loss(self, values: dict[str, torch.Tensor] | None = None, tune: bool = False) -> float:
@@ -317,18 +389,46 @@ class Result:
     step_s: list[float]
     """Median step time of each island (baseline: of its slowest rank)."""
     merges: int
+    initial: float = float("nan")
+    """Held-out loss of this seed's initial model."""
+    islands: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """DiLoCo, per island as the coordinator counted: ``merged`` and ``dropped``
+    contributions, ``steps_merged`` and ``steps_dropped`` (inner steps in them)."""
+    by_staleness: dict[str, int] = dataclasses.field(default_factory=dict)
+    """DiLoCo: merged contributions by versions of staleness (0: fresh)."""
+    by_quorum: dict[str, int] = dataclasses.field(default_factory=dict)
+    """DiLoCo: merges by number of contributions merged."""
+
+    @property
+    def merged(self) -> int:
+        return sum(i["merged"] for i in self.islands.values())
+
+    @property
+    def dropped(self) -> int:
+        return sum(i["dropped"] for i in self.islands.values())
+
+    @property
+    def steps_dropped_share(self) -> float:
+        """Share of the inner steps in finished contributions that were dropped as stale."""
+        kept = sum(i["steps_merged"] for i in self.islands.values())
+        lost = sum(i["steps_dropped"] for i in self.islands.values())
+        return lost / (kept + lost) if kept + lost else float("nan")
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "label": self.method.label}
 
 
 def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> Result:
-    """Train one method from the initial model; evaluate it on the held-out blocks."""
+    """Train one method from its seed's initial model; evaluate it on the held-out blocks."""
+    from ds_diloco.bench.stale_merge import StaleMergeRun
     from ds_diloco.export import load_global_tensors
     from ds_diloco.fragments import FragmentPlan
 
     cfg = run_config(s, m, workdir)
-    lr = LocalRun(cfg)
+    if m.stale in ("next", "next-sgd"):
+        lr = StaleMergeRun(cfg, max_staleness=1, stale_sgd=m.stale == "next-sgd")
+    else:
+        lr = LocalRun(cfg)
     snaps: list[tuple[int, dict]] = []
     status = None
     try:
@@ -376,6 +476,9 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
     ]
     tokens = sum(rs[0]["tokens"] for rs in per_island.values())
     train_s = max(sum(r["step_times_s"]) for r in ranks)
+    counts: dict[str, dict[str, int]] = {}
+    by_staleness: dict[str, int] = {}
+    by_quorum: dict[str, int] = {}
     if m.kind == "zero3":
         recs = _progress(lr.workdir / "islands" / "zero3" / "progress.jsonl")
         per_step = s.ranks * s.micro_batch * s.seq_len
@@ -396,11 +499,19 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             for r in ranks
         )
         merges = sum(status["merges"])
+        fields = ("merged", "dropped", "steps_merged", "steps_dropped")
+        counts = {
+            name: {f: int(isl.get(f, 0)) for f in fields}
+            for name, isl in sorted(status["islands"].items())
+        }
+        run = status.get("run", {})
+        by_staleness = {str(k): int(v) for k, v in sorted(run.get("by_staleness", {}).items())}
+        by_quorum = {str(k): int(v) for k, v in sorted(run.get("by_quorum", {}).items())}
     result = Result(
         method=m,
         loss=loss,
         tune_loss=tune_loss,
-        curve=[(0, ev.initial), *curve],
+        curve=[(0, ev.initial(m.seed)), *curve],
         tokens=tokens,
         bytes_up=up,
         bytes_down=down,
@@ -408,10 +519,26 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
         train_s=round(train_s, 1),
         step_s=step_s,
         merges=merges,
+        initial=ev.initial(m.seed),
+        islands=counts,
+        by_staleness=by_staleness,
+        by_quorum=by_quorum,
     )
     if echo:
-        echo(_run_line(result))
+        echo(run_line(result))
     return result
+
+
+def run_line(r: Result) -> str:
+    """One line about a finished run (printed as the benchmark goes)."""
+    line = (
+        f"    {r.method.key} seed {r.method.seed}: held-out loss {r.loss:.4f}, {r.tokens} tokens, "
+        f"wall {r.wall_s} s (training {r.train_s} s), uploads {r.bytes_up} B, merges {r.merges}"
+    )
+    if r.islands:
+        share = r.steps_dropped_share
+        line += f"; contributions merged {r.merged}, dropped {r.dropped} ({share:.0%} of steps)"
+    return line
 
 
 def _tokens_so_far(lr: LocalRun) -> int:
@@ -422,14 +549,25 @@ def _progress(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
 # ---------------------------------------------------------------- the benchmark
+MAIN = ("zero3", "sync", "decoupled")
+"""Method keys run with every seed; the others (variants) with seed 0."""
+
+
 @dataclasses.dataclass
 class QualityBench:
     setup: Setup
-    results: dict[str, Result]
-    """By method key: zero3, sync, decoupled, codec-<name>, hetero-decoupled, hetero-sync."""
+    results: dict[str, list[Result]]
+    """By method key (zero3, sync, decoupled, stale-decoupled, codec-<name>,
+    hetero-decoupled, hetero-sync), its runs by seed (the variants: seed 0 only)."""
     evaluator_params: int
     initial_loss: float
+    """Held-out loss of the initial model of seed 0."""
     grad_bytes: int
     """Bytes per gradient value in the baseline's all-reduce (4 fp32, 2 bf16)."""
 
@@ -444,8 +582,33 @@ class QualityBench:
         base = self.allreduce_bytes_per_token()
         return sent / max(r.tokens, 1) / base if base else float("nan")
 
+    def baseline(self, seed: int) -> Result:
+        return next(r for r in self.results["zero3"] if r.method.seed == seed)
+
     def loss_ratio(self, r: Result) -> float:
-        return r.loss / self.results["zero3"].loss
+        """Held-out loss over the baseline's of the same seed."""
+        return r.loss / self.baseline(r.method.seed).loss
+
+    def ratios(self, key: str) -> list[float]:
+        """Per-seed loss ratios of a method to the baseline."""
+        return [self.loss_ratio(r) for r in self.results[key]]
+
+    def summary(self, key: str) -> dict:
+        runs = self.results[key]
+        loss, loss_sd = mean_sd([r.loss for r in runs])
+        ratio, ratio_sd = mean_sd(self.ratios(key))
+        return {
+            "seeds": [r.method.seed for r in runs],
+            "loss_mean": loss,
+            "loss_sd": loss_sd,
+            "ratio_mean": ratio,
+            "ratio_sd": ratio_sd,
+            "ratio_se": ratio_sd / len(runs) ** 0.5,
+            "ratios": self.ratios(key),
+            "merged": [r.merged for r in runs],
+            "dropped": [r.dropped for r in runs],
+            "steps_dropped_share": [r.steps_dropped_share for r in runs],
+        }
 
     def to_json(self) -> dict:
         return {
@@ -454,7 +617,8 @@ class QualityBench:
             "initial_loss": self.initial_loss,
             "grad_bytes": self.grad_bytes,
             "allreduce_bytes_per_token": self.allreduce_bytes_per_token(),
-            "results": {k: r.to_json() for k, r in self.results.items()},
+            "summary": {k: self.summary(k) for k in self.results},
+            "results": {k: [r.to_json() for r in rs] for k, rs in self.results.items()},
         }
 
 
@@ -471,168 +635,85 @@ def run_bench(
     hetero: bool = True,
     hetero_sync: bool = False,
     sync: bool = True,
+    stale: tuple[str, ...] | None = None,
     echo=None,
 ) -> QualityBench:
-    """The three methods, then the codec variants and the heterogeneous variant."""
+    """The three methods with every seed, then the variants (seed 0): Decoupled DiLoCo with
+    the ``stale`` modes (see ``STALE``), the codecs, the heterogeneous islands (with the
+    first ``stale`` mode too)."""
     root = Path(s.workdir).resolve()  # island configs resolve relative paths against themselves
+    stale = DEFAULT_STALE_VARIANTS if stale is None else stale
     ev = Evaluator(s)
-    out: dict[str, Result] = {}
+    out: dict[str, list[Result]] = {}
 
     def go(m: Method) -> Result:
         if echo:
-            echo(f"  running {m.key}: {m.label} ...")
-        out[m.key] = run_method(s, m, ev, root / m.key, echo)
-        return out[m.key]
+            echo(f"  running {m.key} seed {m.seed}: {m.label} ...")
+        workdir = root / (m.key if m.seed == 0 else f"{m.key}-seed{m.seed}")
+        r = run_method(s, m, ev, workdir, echo)
+        out.setdefault(m.key, []).append(r)
+        return r
 
-    go(Method("zero3", "zero3"))
-    if sync:
-        go(Method("sync", "sync", s.compression, s.sync_outer_lr))
-    main = go(Method("decoupled", "decoupled", s.compression, s.outer_lr))
+    for seed in range(s.seeds):  # seed by seed: an interrupted bench still pairs its runs
+        go(s.method("zero3", "zero3", seed=seed))
+        if sync:
+            go(s.method("sync", "sync", seed=seed))
+        go(s.method("decoupled", "decoupled", seed=seed))
+    main = out["decoupled"][0]
+    for mode in stale:
+        go(s.method(f"stale-{mode}", "decoupled", stale=mode))
     for c in codecs:
         if c != s.compression:
-            go(Method(f"codec-{c}", "decoupled", c, s.outer_lr))
+            go(s.method(f"codec-{c}", "decoupled", codec=c))
     if hetero:
         delay = round(statistics.median(main.step_s), 4)  # island 0 at about half speed
-        go(Method("hetero-decoupled", "decoupled", s.compression, s.outer_lr, slow_s=delay))
+        go(s.method("hetero-decoupled", "decoupled", slow_s=delay))
+        if stale:
+            go(s.method(f"hetero-stale-{stale[0]}", "decoupled", slow_s=delay, stale=stale[0]))
         if sync and hetero_sync:
-            go(Method("hetero-sync", "sync", s.compression, s.sync_outer_lr, slow_s=delay))
-    return QualityBench(s, out, ev.params, ev.initial, grad_bytes(s.deepspeed_config))
+            go(s.method("hetero-sync", "sync", slow_s=delay))
+    return QualityBench(s, out, ev.params, ev.initial(0), grad_bytes(s.deepspeed_config))
 
 
-def tune(s: Setup, lrs: tuple[float, ...], echo=None) -> dict[str, dict[float, float]]:
-    """Outer learning rate of each DiLoCo method, picked on the tuning split only."""
+DEFAULT_STALE_VARIANTS = ("next",)
+"""The stale modes run as variants by default (``--stale``)."""
+
+TUNE_SEEDS = 100
+"""``--tune`` trains with seeds 100, 101, ...: not the reported runs' seeds."""
+
+
+def tune(
+    s: Setup,
+    grid: list[tuple[float, float]],
+    *,
+    kinds: tuple[str, ...] = ("sync", "decoupled"),
+    seeds: int = 1,
+    stale: str = "drop",
+    echo=None,
+) -> dict[str, dict[tuple[float, float], list[float]]]:
+    """Tuning-split losses of each DiLoCo method at each (outer lr, momentum) of ``grid``,
+    with seeds TUNE_SEEDS, TUNE_SEEDS + 1, ...: the reported blocks are never read.
+    Decoupled DiLoCo runs with ``s.grace_gamma`` and stale contributions as ``stale``."""
     ev = Evaluator(s)
-    picks: dict[str, dict[float, float]] = {"sync": {}, "decoupled": {}}
-    for kind in picks:
-        for x in lrs:
-            m = Method(f"tune-{kind}-{x:g}", kind, s.compression, x)
-            if echo:
-                echo(f"  tuning {kind}: outer lr {x:g} ...")
-            r = run_method(s, m, ev, Path(s.workdir).resolve() / m.key)  # held-out loss unused
-            picks[kind][x] = r.tune_loss
-            if echo:
-                echo(f"    tuning-split loss {r.tune_loss:.4f} ({r.merges} merges, {r.wall_s} s)")
-    return picks
-
-
-# --------------------------------------------------------------------- report
-def _kb(x: float) -> str:
-    return f"{x / 1e3:.2f} kB" if x >= 1e3 else f"{x:.1f} B"
-
-
-def _run_line(r: Result) -> str:
-    return (
-        f"    {r.method.key}: held-out loss {r.loss:.4f}, {r.tokens} tokens, wall {r.wall_s} s "
-        f"(training {r.train_s} s), uploads {r.bytes_up} B, merges {r.merges}"
-    )
-
-
-def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str:
-    s, res = b.setup, b.results
-    base = res["zero3"]
-    cpu = "CPU" if not s.gpus else f"{s.gpus} GPU(s)"
-    lines = [
-        f"{argv}",
-        f"  model {Path(s.model_config).name} ({b.evaluator_params:,} parameters), "
-        f"{Path(s.deepspeed_config).name}, on {cpu}; text {s.corpus}, seq_len {s.seq_len}",
-        f"  every method: {s.tokens:,} tokens = {s.steps} steps x {s.ranks} ranks x micro_batch "
-        f"{s.micro_batch} x {s.seq_len}; inner AdamW lr {s.lr:g}, warm-up {s.warmup_steps}",
-        f"  baseline: one ZeRO-3 job of {s.ranks} ranks; DiLoCo: M = {s.islands} islands x "
-        f"{s.ranks_per_island} rank(s) (every process one rank: this machine has few cores)",
-        f"  outer: P = {s.num_fragments}, H = {s.sync_every}, tau = {s.tau}, token weights, "
-        f"RDA (embeddings plain), stale dropped; sync: K = {s.islands}, no grace, "
-        f"{s.outer('sync')}; decoupled: K = 1, grace gamma {s.grace_gamma:g}, "
-        f"{s.outer('decoupled')}; pseudo-gradients {s.compression} (block {s.block})",
-        f"  held-out: {s.eval_blocks} blocks ({s.eval_blocks * s.seq_len:,} tokens) never "
-        f"trained on; outer lr tuned (--tune) on the next {s.eval_blocks}, not these",
-        f"  all-reduce reference: 2(N-1)/N x {b.evaluator_params:,} params x {b.grad_bytes} B "
-        f"per rank per step, N = {s.ranks} -> {_kb(b.allreduce_bytes_per_token())} per token",
-        "",
-        f"  {'method':44s} {'loss':>7s} {'/base':>6s} {'sent/token':>11s} {'/allred':>8s} "
-        f"{'recv/token':>11s} {'wall s':>7s} {'train s':>8s} {'merges':>6s}",
-    ]
-
-    def row(r: Result, name: str | None = None) -> str:
-        tok = max(r.tokens, 1)
-        if r.method.kind == "zero3":
-            sent = recv = b.allreduce_bytes_per_token()
-            ratio = "1"
-        else:
-            sent, recv = r.bytes_up / tok, r.bytes_down / tok
-            ratio = f"1/{1 / b.bytes_ratio(r):.0f}" if r.bytes_up else "-"
-        return (
-            f"  {name or r.method.label:44s} {r.loss:7.4f} {b.loss_ratio(r):6.3f} "
-            f"{_kb(sent):>11s} {ratio:>8s} {_kb(recv):>11s} {r.wall_s:7.1f} {r.train_s:8.1f} "
-            f"{r.merges:6d}"
-        )
-
-    lines.append(f"  {'initial model':44s} {b.initial_loss:7.4f} {b.initial_loss / base.loss:6.3f}")
-    for key in ("zero3", "sync", "decoupled"):
-        if key in res:
-            lines.append(row(res[key]))
-    main = res["decoupled"]
-    lr_, br = b.loss_ratio(main), b.bytes_ratio(main)
-    lines.append(
-        f"  goals (Decoupled DiLoCo): loss ratio {lr_:.3f} <= {LOSS_GOAL} "
-        f"{'met' if lr_ <= LOSS_GOAL else 'MISSED'}; sent per token 1/{1 / br:.0f} of the "
-        f"all-reduce <= 1/{1 / BYTES_GOAL:.0f} {'met' if br <= BYTES_GOAL else 'MISSED'}"
-    )
-    codecs = [main] + [res[k] for k in res if k.startswith("codec-")]
-    if len(codecs) > 1:
-        lines += ["", "  pseudo-gradient compression (Decoupled DiLoCo, error feedback):"]
-        for r in sorted(codecs, key=lambda r: CODECS.index(r.method.codec)):
-            lines.append(row(r, f"    {r.method.codec}"))
-    if "hetero-decoupled" in res:
-        h = res["hetero-decoupled"]
-        fast = statistics.median(h.step_s[1:]) if len(h.step_s) > 1 else float("nan")
-        lines += [
-            "",
-            f"  heterogeneous: island 0 sleeps {h.method.slow_s * 1e3:.0f} ms after each step "
-            f"(median step {h.step_s[0] * 1e3:.0f} ms vs {fast * 1e3:.0f} ms for the others) "
-            f"and trains {s.steps // 2} steps; the others {s.steps}",
-        ]
-        lines.append(row(h, "    Decoupled DiLoCo"))
-        lines.append(
-            f"    {'':42s} loss / homogeneous Decoupled {h.loss / main.loss:.3f}, wall "
-            f"{h.wall_s:.0f} s vs {main.wall_s:.0f} s, {h.tokens:,} tokens"
-        )
-        if "hetero-sync" in res:
-            hs = res["hetero-sync"]
-            lines.append(row(hs, "    sync DiLoCo (merges wait for island 0)"))
-        lock = base.train_s + s.steps * h.method.slow_s
-        lines.append(
-            f"    lock-step ZeRO-3 with that rank (estimate): every step waits for it: "
-            f"training {base.train_s:.0f} s + {s.steps} x {h.method.slow_s * 1e3:.0f} ms = "
-            f"{lock:.0f} s for the baseline's {base.tokens:,} tokens"
-        )
-    return "\n".join(lines)
-
-
-def plot(b: QualityBench, path: Path) -> Path:
-    """Held-out loss against tokens for the three methods (and the variants, dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, r in b.results.items():
-        main = key in ("zero3", "sync", "decoupled")
-        x, y = zip(*r.curve)
-        ax.plot(x, y, "-o" if main else "--", ms=3, lw=2 if main else 1, label=r.method.label)
-    ax.set_xlabel("tokens trained")
-    ax.set_ylabel("held-out loss")
-    s = b.setup
-    ax.set_title(
-        f"{Path(s.model_config).stem}: M={s.islands}, H={s.sync_every}, P={s.num_fragments}"
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    out: dict[str, dict[tuple[float, float], list[float]]] = {k: {} for k in kinds}
+    for kind in kinds:
+        for lr_, mom in grid:
+            for seed in range(TUNE_SEEDS, TUNE_SEEDS + seeds):
+                extra = f"-g{s.grace_gamma:g}-{stale}" if kind == "decoupled" else ""
+                key = f"tune-{kind}{extra}-{lr_:g}-{mom:g}-seed{seed}"
+                mode = stale if kind == "decoupled" else "drop"
+                m = s.method(key, kind, outer_lr=lr_, momentum=mom, seed=seed, stale=mode)
+                if echo:
+                    echo(f"  tuning {kind}: outer lr {lr_:g} momentum {mom:g} seed {seed} ...")
+                r = run_method(s, m, ev, Path(s.workdir).resolve() / "tune" / key)
+                out[kind].setdefault((lr_, mom), []).append(r.tune_loss)
+                if echo:
+                    echo(
+                        f"    tuning-split loss {r.tune_loss:.4f} ({r.merges} merges; "
+                        f"contributions merged {r.merged}, dropped {r.dropped}: "
+                        f"{r.steps_dropped_share:.0%} of steps; {r.wall_s} s)"
+                    )
+    return out
 
 
 PRESETS = {
@@ -660,50 +741,85 @@ def setup_from_args(args) -> Setup:
         kw["gpus"] = torch.cuda.device_count()
         if not kw["gpus"]:
             raise ValueError(f"--preset {args.preset} needs CUDA GPUs; none is visible")
-    for flag, field in (("steps", "steps"), ("islands", "islands"),
-                        ("ranks_per_island", "ranks_per_island"), ("outer_lr", "outer_lr"),
-                        ("sync_outer_lr", "sync_outer_lr"), ("compression", "compression"),
-                        ("sync_every", "sync_every"), ("num_fragments", "num_fragments"),
-                        ("workdir", "workdir")):  # fmt: skip
-        value = getattr(args, flag, None)
+    for field in ("steps", "islands", "ranks_per_island", "outer_lr", "sync_outer_lr",
+                  "momentum", "sync_momentum", "grace_gamma", "compression", "sync_every",
+                  "num_fragments", "seeds", "workdir"):  # fmt: skip
+        value = getattr(args, field, None)
         if value is not None:
             kw[field] = value
     if args.outer_lr is not None and args.sync_outer_lr is None:
         kw["sync_outer_lr"] = args.outer_lr
+    if getattr(args, "momentum", None) is not None and getattr(args, "sync_momentum", None) is None:
+        kw["sync_momentum"] = args.momentum
     return Setup(**kw)
+
+
+def stale_modes(text: str | None) -> tuple[str, ...]:
+    """``--stale``: comma-separated modes of ``STALE`` (None: the default variant; "none")."""
+    if text is None:
+        return DEFAULT_STALE_VARIANTS
+    modes = tuple(m for m in text.split(",") if m and m != "none")
+    bad = [m for m in modes if m not in STALE]
+    if bad:
+        raise ValueError(f"--stale: unknown mode(s) {bad}; one of {tuple(STALE)} or 'none'")
+    return modes
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
 
 
 def main(args) -> int:
     """The CLI's ``bench quality``."""
+    from ds_diloco.bench.quality_report import format_report, format_tune, plot
+
     logging.getLogger("ds_diloco.export").setLevel(logging.WARNING)  # a line per run otherwise
     s = setup_from_args(args)
     echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.tune:
-        lrs = tuple(float(x) for x in args.tune_lrs.split(","))
-        echo(f"bench quality --tune: outer lr in {lrs}, {s.steps} steps, tuning split only")
-        picks = tune(s, lrs, echo)
-        best = {kind: min(losses, key=losses.get) for kind, losses in picks.items()}
-        for kind, losses in picks.items():
-            cells = ", ".join(f"{x:g}: {v:.4f}" for x, v in losses.items())
-            echo(f"  {LABELS[kind]}: tuning-split loss by outer lr {cells} -> {best[kind]:g}")
+        lrs, moms = _floats(args.tune_lrs), _floats(args.tune_momenta or str(s.momentum))
+        seeds = args.tune_seeds
+        kinds = tuple(args.tune_kinds.split(","))
+        stale = args.tune_stale
+        if stale not in STALE:
+            raise ValueError(f"--tune-stale must be one of {tuple(STALE)}, got {stale!r}")
         echo(
-            f"  use: ds-diloco bench quality --outer-lr {best['decoupled']:g} "
-            f"--sync-outer-lr {best['sync']:g}"
+            f"bench quality --tune: {', '.join(kinds)} (Decoupled: grace gamma "
+            f"{s.grace_gamma:g}, {STALE[stale]}); outer lr in {lrs}, momentum in {moms}, seeds "
+            f"{TUNE_SEEDS}..{TUNE_SEEDS + seeds - 1}, {s.steps} steps; tuning split only"
         )
+        grid = [(x, m) for m in moms for x in lrs]
+        picks = tune(s, grid, kinds=kinds, seeds=seeds, stale=stale, echo=echo)
+        for line in format_tune(picks, seeds):
+            echo(line)
         if args.json:
-            tuned = {k: {str(x): v for x, v in losses.items()} for k, losses in picks.items()}
-            out = {"setup": dataclasses.asdict(s), "tuning_loss": tuned, "picked": best}
+            out = {
+                "setup": dataclasses.asdict(s),
+                "seeds": list(range(TUNE_SEEDS, TUNE_SEEDS + seeds)),
+                "stale": stale,
+                "tuning_loss": {
+                    k: {f"{x:g}/{m:g}": v for (x, m), v in losses.items()}
+                    for k, losses in picks.items()
+                },
+            }
             Path(args.json).write_text(json.dumps(out, indent=1))
         return 0
     codecs = CODECS if not args.no_codecs else (s.compression,)
+    stale = stale_modes(args.stale)
+    hetero = 0 if args.no_hetero else 1 + bool(stale) + args.hetero_sync
     echo(
-        f"bench quality: {s.tokens:,} tokens per method; runs: zero3, sync, decoupled, "
-        f"{len(codecs) - 1} codec variants, "
-        f"{0 if args.no_hetero else 1 + args.hetero_sync} heterogeneous"
+        f"bench quality: {s.tokens:,} tokens per method; runs: zero3, sync, decoupled x "
+        f"{s.seeds} seed(s), {len(stale)} stale-mode variant(s), "
+        f"{len(codecs) - 1} codec variants, {hetero} heterogeneous"
     )
     t0 = time.monotonic()
     b = run_bench(
-        s, codecs=codecs, hetero=not args.no_hetero, hetero_sync=args.hetero_sync, echo=echo
+        s,
+        codecs=codecs,
+        hetero=not args.no_hetero,
+        hetero_sync=args.hetero_sync,
+        stale=stale,
+        echo=echo,
     )
     png = plot(b, Path(args.plot or Path(s.workdir) / "quality.png"))
     echo(format_report(b))
