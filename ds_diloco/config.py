@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -381,13 +382,25 @@ def _convert(hint, value, where: str):
     return value
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3e-05`` (what ``json.dumps`` writes for small floats, and how a
+    learning rate is usually written) as a string; YAML 1.2 and JSON read a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def load_file(path: str | os.PathLike) -> dict:
-    """Read a YAML or JSON config file into a dict (JSON is YAML)."""
+    """Read a YAML or JSON config file into a dict (JSON is YAML; ``1e-5`` is a float)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_Loader)  # a SafeLoader
     except yaml.YAMLError as e:  # a ValueError reaches the CLI as one clear line
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
