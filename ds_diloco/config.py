@@ -443,8 +443,11 @@ def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...]) -> dict:
         if rest:
             if isinstance(data.get(head), dict):
                 data[head] = _resolve_paths(data[head], base, (rest,))
-        elif _relative(data.get(head)) and (head in _OUTPUTS or (base / data[head]).exists()):
-            data[head] = str(base / data[head])  # not existing: a dataset name, say
+        elif _relative(data.get(head)) and (
+            head in _OUTPUTS or data[head].startswith(("./", "../")) or (base / data[head]).exists()
+        ):
+            # Not existing and not written as a relative path: a dataset or Hub name, say.
+            data[head] = str(base / data[head])
     return data
 
 
