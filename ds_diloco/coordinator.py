@@ -658,9 +658,13 @@ class Coordinator:
     def decide(self, index: int, now: float | None = None) -> Decision:
         now = self.clock() if now is None else now
         with self._lock:
-            if self._frags[index].merging:
-                return Decision(False, None, "merge in progress")
-            return decide(now, self.round_state(index, now), self.cfg.policy)
+            return self._decide(index, now)
+
+    def _decide(self, index: int, now: float) -> Decision:
+        """:meth:`decide` with ``_lock`` held."""
+        if self._frags[index].merging:
+            return Decision(False, None, "merge in progress")
+        return decide(now, self.round_state(index, now), self.cfg.policy)
 
     def poll(self, index: int) -> Decision:
         """Merge fragment ``index`` if its round should close now; returns the decision."""
@@ -788,17 +792,28 @@ class Coordinator:
                 "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
             )
 
-    def schedule(self) -> tuple[list[int], float | None]:
+    def schedule(self, wait: bool = True) -> tuple[list[int], float | None] | None:
         """The fragments whose round should close now, and the earliest time another
-        waiting round may close (None: nothing else waits on a clock)."""
-        now = self.clock()
-        due, wake = [], None
-        for i in range(len(self._frags)):
-            d = self.decide(i, now)
-            if d.merge:
-                due.append(i)
-            elif d.wait_until is not None:
-                wake = d.wait_until if wake is None else min(wake, d.wait_until)
+        waiting round may close (None: nothing else waits on a clock).
+
+        ``wait=False``: None at once if the bookkeeping lock is busy, so that the
+        event loop can ask without ever blocking on an upload's bookkeeping.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            now = self.clock()
+            due, wake = [], None
+            for i, fs in enumerate(self._frags):
+                if not fs.complete:  # no contribution yet: nothing to merge or wait for
+                    continue
+                d = self._decide(i, now)
+                if d.merge:
+                    due.append(i)
+                elif d.wait_until is not None:
+                    wake = d.wait_until if wake is None else min(wake, d.wait_until)
+        finally:
+            self._lock.release()
         return due, wake
 
     # -------------------------------------------------------------- inspection

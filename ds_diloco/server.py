@@ -1,9 +1,10 @@
 """The coordinator's HTTP service (aiohttp). Wire API: docs/wire-api.md.
 
-The event loop only moves bytes: decoding, validation, slicing and merges run
-in a thread pool, so health, status and downloads keep being served while a
-fragment merges. A small round loop closes rounds when the policy says so:
-right after a contribution completes, and at the grace-window deadlines.
+The event loop only moves bytes: decoding, validation and merges run in a
+thread pool, so health, status and downloads keep being served while a
+fragment merges; a download is sent straight from the served values, which a
+merge never writes in place. A small round loop closes rounds when the policy
+says so: right after a contribution completes, and at the grace-window deadlines.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _IDLE_POLL_S = 0.25
 _MAX_WAIT_S = 30.0  # longest long poll
 _READ_BUFSIZE = 16 * 1024 * 1024
 _SMALL_WRITE = 64 * 1024  # download parts below this are joined before sending
+_KEEP_BUFFER_BYTES = 512 * 1024 * 1024  # upload buffers kept for reuse, at most
 
 
 def _coalesce(parts, small: int = _SMALL_WRITE):
@@ -56,6 +58,35 @@ def _coalesce(parts, small: int = _SMALL_WRITE):
         yield b"".join(run)
 
 
+class _Buffers:
+    """Upload bodies' buffers, kept for the next uploads (used on the event loop only).
+
+    Each page of a new buffer costs a page fault when first written, about as much as
+    the copy into it; the uploads of a fragment come back at the same sizes every round.
+    Not zero-filled (bytearray(n) is): every byte of a body is written before it is read.
+    """
+
+    def __init__(self, keep: int, max_bytes: int = _KEEP_BUFFER_BYTES):
+        self._free: list[np.ndarray] = []
+        self._keep, self._max_bytes = keep, max_bytes
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes: the smallest kept one that fits, else a new one."""
+        fits = [i for i, b in enumerate(self._free) if n <= len(b) <= 2 * n]
+        if not fits:
+            return np.empty(n, dtype=np.uint8)
+        return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+
+    def give(self, body) -> None:
+        """Keep the buffer of a body read by ``_read_body`` (a memoryview of it)."""
+        if not isinstance(body, memoryview) or not isinstance(body.obj, np.ndarray):
+            return  # chunked bodies come from aiohttp
+        self._free.append(body.obj)
+        self._free.sort(key=len, reverse=True)
+        while len(self._free) > self._keep or sum(map(len, self._free)) > self._max_bytes:
+            self._free.pop(0)  # the largest
+
+
 class CoordinatorServer:
     def __init__(self, coordinator: Coordinator, token: str, max_body_bytes: int, workers: int = 4):
         self.coord = coordinator
@@ -65,6 +96,7 @@ class CoordinatorServer:
         self._round_task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.max_body_bytes = max_body_bytes
+        self._buffers = _Buffers(keep=workers)
         self.app = web.Application(
             client_max_size=max_body_bytes,
             middlewares=[self._errors, self._auth],
@@ -185,7 +217,14 @@ class CoordinatorServer:
 
     async def upload(self, request):
         body = await self._read_body(request)
-        reply = await self._run(self.coord.upload, body)
+        # Once upload() has returned or refused, it holds nothing of the body: the buffer is
+        # free again. Not when cancelled: the worker thread may still be reading it.
+        try:
+            reply = await self._run(self.coord.upload, body)
+        except CoordinatorError:
+            self._buffers.give(body)
+            raise
+        self._buffers.give(body)
         if reply.get("complete"):
             self._kick.set()
         return web.json_response(reply)
@@ -197,13 +236,13 @@ class CoordinatorServer:
             return await request.read()  # chunked: aiohttp enforces client_max_size
         if n > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=n)
-        # Not zero-filled (bytearray(n) is): every byte is written below before it is read.
-        view, pos = memoryview(np.empty(n, dtype=np.uint8)), 0
+        view, pos = memoryview(self._buffers.take(n))[:n], 0
         while pos < n:
             chunk = await request.content.readany()
-            if not chunk:
-                raise CoordinatorError(400, f"body ended after {pos} of {n} bytes")
-            if pos + len(chunk) > n:
+            if not chunk or pos + len(chunk) > n:
+                self._buffers.give(view)
+                if not chunk:
+                    raise CoordinatorError(400, f"body ended after {pos} of {n} bytes")
                 raise CoordinatorError(400, f"body longer than its Content-Length {n}")
             view[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
@@ -239,7 +278,9 @@ class CoordinatorServer:
         loop = asyncio.get_running_loop()
         busy: dict[int, asyncio.Future] = {}
         while True:
-            due, wake = await self._run(self.coord.schedule)
+            # Cheap: asked on the loop (no thread hop) unless the bookkeeping lock is busy.
+            plan = self.coord.schedule(wait=False)
+            due, wake = plan if plan is not None else await self._run(self.coord.schedule)
             for i in due:
                 if i not in busy:
                     busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i)

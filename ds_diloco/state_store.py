@@ -81,7 +81,7 @@ def _swap_in(path: Path, buffers: Sequence) -> None:
     fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, _write_all(fd, buffers))  # the spare may have been longer
-        os.fsync(fd)
+        _fdatasync(fd)  # data and size; the swap and the directory fsync do the rest
     finally:
         os.close(fd)
     if not _exchange(spare, path):
@@ -106,6 +106,8 @@ def _write_all(fd: int, buffers: Sequence) -> int:
                 views[i], n = views[i][n:], 0
     return total
 
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -424,3 +425,65 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     # And the good rank-1 upload still completes the island's contribution afterwards.
     reply = client.upload_body(body(rank=1, slices=rank_slices(frag, delta, 2, 1)))
     assert reply["status"] == "accepted" and reply["complete"] is True
+
+
+def test_upload_buffers_are_kept_for_reuse_within_bounds():
+    from ds_diloco.server import _Buffers
+
+    pool = _Buffers(keep=2, max_bytes=1000)
+    a = pool.take(100)
+    assert len(a) >= 100
+    pool.give(memoryview(a)[:100])
+    assert pool.take(90) is a  # fits: reused, not allocated again
+    pool.give(memoryview(a)[:90])
+    assert pool.take(40) is not a  # twice as large as needed: not worth holding for it
+    same = _Buffers(keep=2)
+    d, e = same.take(150), same.take(150)  # equal sizes: kept and taken back by identity
+    same.give(memoryview(d))
+    same.give(memoryview(e))
+    again = [same.take(150), same.take(150)]
+    assert any(x is d for x in again) and any(x is e for x in again)
+    b, c = pool.take(300), pool.take(200)
+    for buf in (b, c):
+        pool.give(memoryview(buf))
+    assert sorted(map(len, pool._free)) == [100, 200]  # keep=2: the largest went
+    pool.give(memoryview(pool.take(900)))  # 1200 bytes together: over max_bytes
+    assert sum(map(len, pool._free)) <= 1000
+    pool.give(memoryview(b"not ours"))  # bodies aiohttp read itself are left alone
+    assert all(isinstance(buf, type(a)) for buf in pool._free)
+
+
+def test_reused_upload_buffers_never_leak_into_a_merge(tiny_config_path, tmp_path):
+    cfg = make_cfg(
+        tiny_config_path, tmp_path / "state", islands=1, outer=OuterOptimConfig(name="average")
+    )
+    with ServerThread(cfg) as srv:
+        client = client_for(srv)
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        client.register("a", 2, plan.signature)
+        frag = plan.fragments[2]
+        theta = srv.coord.global_tensors()
+        g = torch.Generator().manual_seed(5)
+        delta = {p.name: torch.randn(p.shape, generator=g) * 1e-3 for p in frag.params}
+        nan = {n: t.clone() for n, t in rank_slices(frag, delta, 2, 1).items()}
+        nan[frag.params[0].name][0] = float("nan")
+
+        def send(rank, slices):
+            h = wire.UploadHeader(
+                island="a", rank=rank, world_size=2, fragment=2, base_version=0, step=4,
+                tokens=64, steps=4,
+            )  # fmt: skip
+            return client.upload_body(wire.encode_upload(h, slices))
+
+        assert send(0, rank_slices(frag, delta, 2, 0))["status"] == "accepted"
+        with pytest.raises(RefusedError, match="NaN"):
+            send(1, nan)  # read into a kept buffer, refused: the buffer is kept again
+        assert send(1, rank_slices(frag, delta, 2, 1))["complete"]  # reuses one of them
+        deadline = time.monotonic() + 10
+        while client.versions()[2] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        got = srv.coord.global_tensors()
+        for p in frag.params:  # averaging: theta - merged delta, exactly
+            assert torch.equal(got[p.name], theta[p.name] - delta[p.name])
+        client.session.close()
