@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "int4"],
                     help="codec of the main DiLoCo runs (default int4)")  # fmt: skip
     bq.add_argument("--no-codecs", action="store_true", help="skip the codec variants")
+    bq.add_argument("--codecs", default=None,
+                    help="codec variants, comma-separated, or 'all' (default none)")  # fmt: skip
     bq.add_argument("--no-hetero", action="store_true", help="skip the heterogeneous variant")
     bq.add_argument("--hetero-sync", action="store_true",
                     help="also run sync DiLoCo with the slow island (one more run)")  # fmt: skip
@@ -212,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Decoupled DiLoCo's grace-window safety factor")  # fmt: skip
     bq.add_argument("--stale", default=None,
                     help="variants: Decoupled DiLoCo with these stale modes, comma-separated "
-                    "(drop, next, next-sgd, async; 'none': no variant)")  # fmt: skip
+                    "(drop, next, next-sgd, async; default next; 'none': no variant)")  # fmt: skip
+    bq.add_argument("--hetero-stale", default=None, metavar="MODE",
+                    help="also run the heterogeneous variant with this stale mode")  # fmt: skip
     bq.add_argument("--tune", action="store_true",
                     help="only pick the outer settings of each DiLoCo method on the tuning split")  # fmt: skip
     bq.add_argument("--tune-lrs", default="0.1,0.2,0.4,0.7", help="outer lrs --tune tries")

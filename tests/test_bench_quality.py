@@ -26,13 +26,16 @@ from ds_diloco.bench.quality import (
     QualityBench,
     Result,
     Setup,
+    codec_variants,
     run_bench,
     run_config,
     setup_from_args,
+    stale_modes,
 )
 from ds_diloco.bench.quality_report import format_report, plot
 from ds_diloco.bench.stale_merge import StaleMergeCoordinator
 from ds_diloco.client import rank_slices
+from ds_diloco.compress import CODECS
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.merge import StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
@@ -218,6 +221,11 @@ def test_cli_parses_bench_quality_flags():
     got = (args.what, args.steps, args.outer_lr, args.no_hetero, args.tune, args.preset)
     assert got == ("quality", 17, 0.5, True, True, "tiny")
     s = setup_from_args(args)
+    assert codec_variants(None) == ("none",) and codec_variants("all") == CODECS
+    assert codec_variants("int8", none=True) == () and stale_modes("none") == ()
+    assert stale_modes(None) == ("next",) and stale_modes("next,async") == ("next", "async")
+    with pytest.raises(ValueError, match="unknown"):
+        stale_modes("later")
     assert (s.seeds, s.momentum, s.sync_momentum, s.outer_lr, s.sync_outer_lr) == (
         2,
         0.8,

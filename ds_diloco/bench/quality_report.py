@@ -73,10 +73,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
             recv = statistics.fmean(r.bytes_down for r in runs) / tok
             br = statistics.fmean(b.bytes_ratio(r) for r in runs)
             share = f"1/{1 / br:.0f}" if br else "-"
-        sd = (lambda x: f"{x:6.3f}") if len(runs) > 1 else (lambda x: f"{'':6s}")
+        loss_sd = f"{loss_sd:6.3f}" if len(runs) > 1 else " " * 6
+        ratio_sd = f"{ratio_sd:6.3f}" if len(runs) > 1 and r0.method.kind != "zero3" else " " * 6
         return (
-            f"  {name or r0.method.label:40s} {loss:7.4f} {sd(loss_sd)} {ratio:6.3f} "
-            f"{sd(ratio_sd)} {_kb(sent):>11s} {share:>8s} {_kb(recv):>11s} "
+            f"  {name or r0.method.label:40s} {loss:7.4f} {loss_sd} {ratio:6.3f} "
+            f"{ratio_sd} {_kb(sent):>11s} {share:>8s} {_kb(recv):>11s} "
             f"{statistics.fmean(r.wall_s for r in runs):7.1f} "
             f"{statistics.fmean(r.train_s for r in runs):8.1f} "
             f"{statistics.fmean(r.merges for r in runs):6.0f}"
@@ -113,14 +114,14 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         "",
         "  contributions, as the coordinator counted them (merged / dropped as stale; steps: "
         "share of the inner steps in finished contributions that were dropped):",
-        f"  {'run':40s} {'seed':>4s} {'loss':>7s} {'/base':>6s} {'merged':>6s} {'dropped':>7s} "
+        f"  {'run':24s} {'seed':>4s} {'loss':>7s} {'/base':>6s} {'merged':>6s} {'dropped':>7s} "
         f"{'steps':>6s}  {'per island merged/dropped':24s} {'staleness':>10s}  quorum",
     ]
     for runs in res.values():
         for r in runs:
             if r.islands:
                 lines.append(
-                    f"  {r.method.label:40s} {r.method.seed:4d} {r.loss:7.4f} "
+                    f"  {r.method.key:24s} {r.method.seed:4d} {r.loss:7.4f} "
                     f"{b.loss_ratio(r):6.3f} {_counts(r)}"
                 )
 
@@ -131,12 +132,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
             "",
             "  variants of Decoupled DiLoCo (seed 0; first row: the main run of seed 0):",
         ]
-        lines.append(row([main], f"    {main.method.codec} (main run)"))
+        lines.append(row([main], f"    decoupled ({main.method.codec}, main run)"))
         order = {f"codec-{c}": i for i, c in enumerate(CODECS)}
         for key in sorted(variants, key=lambda k: order.get(k, -1)):
             r = res[key][0]
-            name = r.method.codec if key.startswith("codec-") else key
-            lines.append(row([r], f"    {name}"))
+            lines.append(row([r], f"    {key} ({r.method.codec})"))
     if "hetero-decoupled" in res:
         h = res["hetero-decoupled"][0]
         fast = statistics.median(h.step_s[1:]) if len(h.step_s) > 1 else float("nan")
@@ -150,10 +150,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         for key in ("hetero-decoupled", "hetero-stale-decoupled", "hetero-sync"):
             if key in res:
                 r = res[key][0]
-                lines.append(row([r], f"    {r.method.label}"))
+                lines.append(row([r], f"    {key}"))
                 lines.append(
-                    f"    {'':38s} loss / homogeneous Decoupled {r.loss / main.loss:.3f}, wall "
-                    f"{r.wall_s:.0f} s vs {main.wall_s:.0f} s, {r.tokens:,} tokens"
+                    f"      ({r.method.label}): loss / homogeneous Decoupled "
+                    f"{r.loss / main.loss:.3f}, wall {r.wall_s:.0f} s vs {main.wall_s:.0f} s, "
+                    f"{r.tokens:,} tokens"
                 )
         lock = base.train_s + s.steps * h.method.slow_s
         lines.append(
