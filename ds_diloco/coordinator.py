@@ -23,7 +23,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 
+import numpy as np
 import torch
 
 from ds_diloco import compress, wire
@@ -171,6 +173,9 @@ class _Served:
 
     version: int
     values: torch.Tensor
+    data: np.ndarray
+    """``values`` as an array: download bodies are cut from it and keep it alive, so it
+    is collected once no body of this version is left (see ``_FragmentState.publish``)."""
     bodies: dict[tuple[int, int], wire.Body] = dataclasses.field(default_factory=dict)
     """Encoded downloads of this version by (world_size, rank): every island of the same
     world size gets the same slices, so each pair is encoded once per version."""
@@ -181,6 +186,7 @@ class _FragmentState:
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.optimizer = optimizer
+        self.spare: list[torch.Tensor] = []
         self.publish(0, values)
         self.lock = _RWLock()
         self.rows = torch.zeros(0, fragment.numel)
@@ -195,9 +201,25 @@ class _FragmentState:
 
     def publish(self, version: int, values: torch.Tensor) -> None:
         """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
+        data = values.numpy()
+        # Once this version is replaced and no body of it is left anywhere (the array
+        # is collected), its buffer takes a later merge's values: no new pages to fault in.
+        weakref.finalize(data, self._recycle, values)
         # ``served`` first: whoever sees the new ``version`` finds its values served.
-        self.served = _Served(version, values)
+        self.served = _Served(version, values, data)
         self.values, self.version = values, version
+
+    def _recycle(self, values: torch.Tensor) -> None:
+        if len(self.spare) < 2:
+            self.spare.append(values)
+
+    def copy_values(self) -> torch.Tensor:
+        """A copy of the served values for a merge to step, in a recycled buffer if any."""
+        try:
+            buf = self.spare.pop()
+        except IndexError:
+            return self.values.clone()
+        return buf.copy_(self.values)
 
     def take_row(self) -> int:
         if not self.free_rows:  # grow: contributions of a new island (rare)
@@ -620,8 +642,8 @@ class Coordinator:
             return served.version, None
         body = served.bodies.get((world_size, rank))
         if body is None:
-            slices = {
-                s.name: served.values[s.offset + a : s.offset + b]
+            slices = {  # cut from served.data: the body keeps the version's buffer alive
+                s.name: torch.from_numpy(served.data[s.offset + a : s.offset + b])
                 for s, (a, b) in zip(fs.segments, self._ranges(fs, world_size, rank))
             }
             header = wire.FragmentHeader(
@@ -707,7 +729,7 @@ class Coordinator:
             log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
         grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
-        values = fs.values.clone()  # the served values stay as they are for the downloads
+        values = fs.copy_values()  # the served values stay as they are for the downloads
         fs.lock.acquire_write()
         try:
             fs.optimizer.step(values, grad)
@@ -821,9 +843,10 @@ class Coordinator:
         """Copies of the global parameters, full shapes (for tests and export)."""
         out = {}
         for fs in self._frags:
-            values = fs.served.values  # never written in place: no lock needed
+            served = fs.served  # never written in place (and held: not recycled): no lock
             for seg, spec in zip(fs.segments, fs.fragment.params):
-                out[seg.name] = values[seg.offset : seg.offset + seg.numel].clone().view(spec.shape)
+                flat = served.values[seg.offset : seg.offset + seg.numel]
+                out[seg.name] = flat.clone().view(spec.shape)
         return out
 
     def status(self) -> dict:

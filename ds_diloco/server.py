@@ -37,8 +37,9 @@ _KEEP_BUFFER_BYTES = 512 * 1024 * 1024  # upload buffers kept for reuse, at most
 def _coalesce(parts, small: int = _SMALL_WRITE):
     """The parts for sending: runs of small ones joined (fewer sends), large ones as they are.
 
-    aiohttp joins whatever it is given with the HTTP headers into one new buffer:
-    a small first chunk keeps that copy small.
+    aiohttp joins the first chunk with the HTTP headers into one new buffer (before
+    Python 3.12.9 it joins whatever it writes in one call): a small first chunk keeps
+    that copy small.
     """
     run: list = []
     size = 0

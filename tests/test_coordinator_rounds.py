@@ -380,3 +380,32 @@ def test_versions_stay_above_every_served_one_across_reservation_blocks(tiny_con
     again.save(final=True)  # a clean stop releases what was reserved and not used
     third = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
     assert third.versions() == again.versions()
+
+
+def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
+    tiny_config_path, tmp_path
+):
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 1, coord.plan.signature)
+    fs = coord._frags[0]
+    step = 0
+
+    def merge():
+        nonlocal step
+        step += 2
+        send(coord, "a", 0, step=step, scale=1e-2)
+        assert coord.poll(0).merge
+        return fs.values.data_ptr()
+
+    v0 = fs.values.data_ptr()
+    v1 = merge()  # nothing to recycle yet: a new buffer
+    assert v1 != v0
+    assert merge() == v0  # version 0 is gone everywhere: its buffer is used again
+    _, held = coord.download(0, 1, 0)  # a body of version 2, still being sent, say
+    raw, v2 = bytes(held), fs.values.data_ptr()
+    for _ in range(4):
+        assert merge() != v2, "a buffer a body still aliases must never be written"
+        assert bytes(held) == raw
+    del held  # sent: the buffer of version 2 may now take a later merge
+    assert v2 in {merge(), merge()}
