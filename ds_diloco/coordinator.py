@@ -210,7 +210,7 @@ class _FragmentState:
         self.values, self.version = values, version
 
     def _recycle(self, values: torch.Tensor) -> None:
-        if len(self.spare) < 2:
+        if not self.spare:  # one is all a merge at a time needs: hold no more memory
             self.spare.append(values)
 
     def copy_values(self) -> torch.Tensor:
