@@ -91,7 +91,7 @@ def test_decoupled_diloco_learns_and_stays_near_the_zero3_baseline(tmp_path, tin
     # last applied the fragment (summed over the P = 2 fragments: at most 2 x 30).
     assert sorted(dec.islands) == ["island-0", "island-1"], dec.islands
     for counts in dec.islands.values():
-        assert counts["merged"] + counts["dropped"] <= s.steps // (s.sync_every // 2), counts
+        assert counts["merged"] + counts["dropped"] <= counts["sent"] == 15, counts
         assert 0 < counts["steps_merged"] + counts["steps_dropped"] <= 2 * s.steps, counts
     assert 0 < dec.merges <= dec.merged == sum(dec.by_staleness.values())
     assert set(dec.by_staleness) == {"0"}  # the paper's rule: only fresh ones are merged
@@ -103,15 +103,23 @@ def test_decoupled_diloco_learns_and_stays_near_the_zero3_baseline(tmp_path, tin
         assert tokens[-1] == r.tokens and len(r.curve) >= 3, r.curve
     report = format_report(b)
     assert "goals (Decoupled DiLoCo)" in report and "ZeRO-3 data parallel" in report
-    assert f"{dec.merged:6d} {dec.dropped:7d}" in report  # the contributions table
+    assert f"{dec.sent:5d} {dec.merged:6d} {dec.dropped:7d}" in report  # contributions table
     png = plot(b, tmp_path / "q.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     json.dumps(b.to_json())  # serialisable as it is
 
 
 def _fake(key: str, kind: str, seed: int, loss: float, merged=0, dropped=0) -> Result:
-    islands = {"island-0": {"merged": merged, "dropped": dropped, "steps_merged": 12 * merged,
-                            "steps_dropped": 12 * dropped}} if kind != "zero3" else {}  # fmt: skip
+    islands = {
+        "island-0": {
+            "merged": merged,
+            "dropped": dropped,
+            "steps_merged": 12 * merged,
+            "steps_dropped": 12 * dropped,
+            "sent": merged + dropped + 1,
+        }
+    }
+    islands = islands if kind != "zero3" else {}
     return Result(
         method=Method(key, kind, "int4" if kind != "zero3" else "none", seed=seed),
         loss=loss, tune_loss=None, curve=[(0, 8.0), (100, loss)], tokens=100,
@@ -136,6 +144,7 @@ def test_report_takes_the_mean_ratio_over_seeds_paired_with_the_same_seeds_basel
     assert sm["ratios"] == pytest.approx([1.01, 1.03, 1.02])
     assert sm["ratio_mean"] == pytest.approx(1.02) and sm["ratio_sd"] == pytest.approx(0.01)
     assert sm["merged"] == [5, 5, 5] and sm["steps_dropped_share"] == [3 / 8] * 3
+    assert sm["sent"] == [9, 9, 9]
     report = format_report(b)
     assert "loss ratio 1.020 (mean of 3 seed(s): 1.010, 1.030, 1.020" in report
     assert "<= 1.02 met" in report

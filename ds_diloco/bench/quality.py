@@ -63,8 +63,10 @@ prototype of ``stale_merge.py``: a contribution one version stale rides along
 with the fragment's next round (see ``STALE`` for the other modes tried).
 
 Size: the defaults (tiny Llama, 80 steps, 3 seeds of the three methods, then
-stale-next, codec none and the heterogeneous variant: 12 runs) take about 16
-minutes on 2 idle CPU cores (about 80 s a run); ``--codecs all`` adds int8 and
+stale-next, codec none and the heterogeneous variant: 12 runs) took 28 minutes
+on 2 CPU cores that other jobs kept busy (steps of about 0.6 s instead of 0.4 s);
+at the 80 s a run of the earlier 7-run bench on idle cores, about 16 minutes.
+``--codecs all`` adds int8 and
 bf16; ``--steps`` scales the budget, ``--preset 125m`` moves to GPUs.
 """
 
@@ -407,7 +409,9 @@ class Result:
     """Held-out loss of this seed's initial model."""
     islands: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     """DiLoCo, per island as the coordinator counted: ``merged`` and ``dropped``
-    contributions, ``steps_merged`` and ``steps_dropped`` (inner steps in them)."""
+    contributions, ``steps_merged`` and ``steps_dropped`` (inner steps in them); and
+    ``sent``, the contributions the island uploaded (its syncer's count). Sent but neither
+    merged nor dropped: still waiting when the run ended (or superseded)."""
     by_staleness: dict[str, int] = dataclasses.field(default_factory=dict)
     """DiLoCo: merged contributions by versions of staleness (0: fresh)."""
     by_quorum: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -420,6 +424,10 @@ class Result:
     @property
     def dropped(self) -> int:
         return sum(i["dropped"] for i in self.islands.values())
+
+    @property
+    def sent(self) -> int:
+        return sum(i.get("sent", 0) for i in self.islands.values())
 
     @property
     def steps_dropped_share(self) -> float:
@@ -518,6 +526,9 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             name: {f: int(isl.get(f, 0)) for f in fields}
             for name, isl in sorted(status["islands"].items())
         }
+        for name, rs in per_island.items():  # contributions uploaded (each rank: its slices)
+            if name in counts:
+                counts[name]["sent"] = min(r["stats"]["uploads"] for r in rs)
         run = status.get("run", {})
         by_staleness = {str(k): int(v) for k, v in sorted(run.get("by_staleness", {}).items())}
         by_quorum = {str(k): int(v) for k, v in sorted(run.get("by_quorum", {}).items())}
@@ -625,6 +636,7 @@ class QualityBench:
             "ratio_sd": ratio_sd,
             "ratio_se": ratio_sd / len(runs) ** 0.5,
             "ratios": self.ratios(key),
+            "sent": [r.sent for r in runs],
             "merged": [r.merged for r in runs],
             "dropped": [r.dropped for r in runs],
             "steps_dropped_share": [r.steps_dropped_share for r in runs],

@@ -26,7 +26,7 @@ def _counts(r: Result) -> str:
     per = " ".join(f"{i['merged']}/{i['dropped']}" for i in r.islands.values())
     stale = ",".join(f"{k}:{v}" for k, v in r.by_staleness.items()) or "-"
     return (
-        f"{r.merged:6d} {r.dropped:7d} {r.steps_dropped_share:6.0%}  {per:24s} "
+        f"{r.sent:5d} {r.merged:6d} {r.dropped:7d} {r.steps_dropped_share:6.0%}  {per:24s} "
         f"{stale:>10s}  " + ",".join(f"{k}:{v}" for k, v in r.by_quorum.items())
     )
 
@@ -112,9 +112,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
 
     lines += [
         "",
-        "  contributions, as the coordinator counted them (merged / dropped as stale; steps: "
-        "share of the inner steps in finished contributions that were dropped):",
-        f"  {'run':24s} {'seed':>4s} {'loss':>7s} {'/base':>6s} {'merged':>6s} {'dropped':>7s} "
+        "  contributions: sent by the islands, merged / dropped as stale by the coordinator "
+        "(the rest still waited at the end); steps: share of the inner steps in merged and "
+        "dropped ones that were dropped:",
+        f"  {'run':24s} {'seed':>4s} {'loss':>7s} {'/base':>6s} {'sent':>5s} {'merged':>6s} "
+        f"{'dropped':>7s} "
         f"{'steps':>6s}  {'per island merged/dropped':24s} {'staleness':>10s}  quorum",
     ]
     for runs in res.values():
