@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 import time
 
 import pytest
@@ -20,6 +22,10 @@ from ds_diloco.syncer import FragmentSyncer, ModelShardAccess
 def model_from(config_path, seed):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_path))
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def wait_for(cond, timeout=20.0):
@@ -52,6 +58,9 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
             s.bootstrap()
         glob = srv.coord.global_tensors()
         assert all(torch.equal(p.detach(), glob[n]) for n, p in model.named_parameters())
+        # The transport threads yield the cores to training: a higher nice value than ours.
+        wait_for(lambda: all(_nice(t.native_id) > _nice(threading.get_native_id())
+                             for s in ranks for t in s._threads))  # fmt: skip
 
         with torch.no_grad():  # one "inner step": every parameter moves by -0.01
             for p in model.parameters():
