@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--steps", type=int, default=None,
                     help="inner steps per launch (default: 60, or the run file's)")  # fmt: skip
     bi.add_argument("--repeats", type=int, default=3, help="launches per mode, alternated")
+    bi.add_argument("--coordinator-nice", type=int, default=10, metavar="N",
+                    help="the coordinator's nice offset on this machine, standing in for its "
+                    "own host (default 10; 0: the ranks' priority)")  # fmt: skip
     bq = bench.add_parser("quality", help="held-out loss and bytes per token: ZeRO-3 vs "
                           "sync DiLoCo vs Decoupled DiLoCo (ds_diloco/bench/quality.py)")  # fmt: skip
     bq.add_argument("--preset", choices=["tiny", "125m"], default="tiny",

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ds_diloco import cli
-from ds_diloco.bench.island import format_report, run_bench, to_json
+from ds_diloco.bench.island import _renice, default_run_config, format_report, run_bench, to_json
 from ds_diloco.config import (
     CoordinatorConfig,
     DataConfig,
@@ -111,10 +115,29 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
 
 def test_cli_parses_bench_island_flags():
     args = cli.build_parser().parse_args(["bench", "island", "--steps", "7", "--json", "x.json"])
-    got = (args.what, args.steps, args.repeats, args.run, args.json)
-    assert got == ("island", 7, 3, None, "x.json")
+    got = (args.what, args.steps, args.repeats, args.run, args.json, args.coordinator_nice)
+    assert got == ("island", 7, 3, None, "x.json", 10)
     args = cli.build_parser().parse_args(["bench", "coordinator", "--repeats", "2"])
     assert (args.what, args.repeats, args.fragment_mb) == ("coordinator", 2, 64.0)
+
+
+def test_renice_lowers_every_thread_and_the_session_group_of_a_running_process():
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    group = Path(f"/proc/{proc.pid}/autogroup")  # its own session: its own group
+    try:
+        tasks = Path(f"/proc/{proc.pid}/task")
+        deadline = time.monotonic() + 10
+        while len(list(tasks.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _renice(proc.pid, 7)
+        nices = [os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()]
+        assert len(nices) == 2 and all(n == os.getpriority(os.PRIO_PROCESS, 0) + 7 for n in nices)
+        if group.exists():  # autogroup scheduling: sessions share the cores by the group's nice
+            assert group.read_text().split()[-1] == "7", group.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_cli_refuses_bad_counts_in_one_line(capsys):
@@ -122,3 +145,5 @@ def test_cli_refuses_bad_counts_in_one_line(capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert cli.main(["bench", "island", "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--coordinator-nice must be in 0\.\.19"):
+        run_bench(default_run_config(), repeats=1, coordinator_nice=20)
