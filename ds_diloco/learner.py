@@ -9,7 +9,7 @@
         engine.backward(loss)
         engine.step()
         learner.step(tokens=batch["input_ids"].numel())  # this rank's tokens
-    learner.close()  # or: with ds_diloco.Learner(...) as learner: ...
+    learner.close()  # sends the last steps, leaves; or: with ds_diloco.Learner(...) as l: ...
 
 Every rank of the island (the engine's whole process group) makes a Learner
 with the same arguments. Construction registers the island, checks the model
@@ -176,17 +176,29 @@ class Learner:
     def stats(self) -> SyncStats:
         return self.syncer.stats
 
-    def close(self, leave: bool = True, take_global: bool = False) -> list[int] | None:
+    def close(
+        self,
+        leave: bool = True,
+        take_global: bool = False,
+        flush: bool | None = None,
+        flush_timeout_s: float = 60.0,
+    ) -> list[int] | None:
         """Send what is queued and stop; every rank calls it.
 
         ``leave``: this island is done for good (False for one that will come back,
         e.g. stopping to restart from a checkpoint: its lease then runs out).
+        ``flush`` (default: ``leave``): first send every fragment's steps since its
+        last apply and wait, at most ``flush_timeout_s``, until they are merged
+        (:meth:`FragmentSyncer.flush`), so the global model has the island's last
+        steps. Not for an island that comes back: its checkpoint still holds them.
         ``take_global``: then load the current global model into the engine on every
         rank (to evaluate or save the merged model) and return its versions.
         """
         if self._closed:
             return None
         self._closed = True
+        if leave if flush is None else flush:
+            self.syncer.flush(flush_timeout_s)
         self.syncer.close()
         if leave and self.rank == 0:  # no quorum should count on this island any more
             self.syncer.leave()
@@ -196,4 +208,5 @@ class Learner:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self.close(leave=exc_type is None)
+        # After an error the ranks may not all get here: no flush (it is collective).
+        self.close(leave=exc_type is None, flush=exc_type is None)

@@ -9,6 +9,10 @@ calls :meth:`FragmentSyncer.on_step` after each inner step and never blocks on
 the network. A merged fragment is applied at the first step boundary at or
 after ``send step + tau`` once it has arrived; until then training goes on.
 
+When training ends, :meth:`FragmentSyncer.flush` sends what the last sends left
+behind (each fragment's steps since its last apply: on average H/2 of them) and
+waits for the results, so that the global model holds the island's final steps.
+
 How a rank reads and writes its slices is a :class:`ShardAccess`; the island
 (DeepSpeed ZeRO-3) provides one over its fp32 master partition, and
 :class:`ModelShardAccess` serves a plain ``nn.Module``.
@@ -94,6 +98,7 @@ class _Slot:
     tokens: int = 0
     steps: int = 0
     sent_step: int | None = None  # step of the upload whose result we wait for
+    in_flight: bool = False  # that upload is queued or was accepted: a result may come
     refetch: bool = False  # behind the island's other ranks: fetch a newer version
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # base memory
 
@@ -117,6 +122,9 @@ class SyncStats:
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap: must stay 0
     )
+    flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
+    flush_unsettled: int = 0  # uploads still without a result when the flush gave up
+    flush_s: float = 0.0  # time in the final flush (waiting for results included)
 
 
 class FragmentSyncer:
@@ -157,6 +165,8 @@ class FragmentSyncer:
         self._uploads: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
         self._stop = threading.Event()
+        self._paused = False  # the flush reads the bases: the downloader starts no fetch
+        self._last_step: int | None = None  # the last inner step seen by on_step
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
             threading.Thread(target=fn, name=f"{fn.__name__}-{island}-{rank}", daemon=True)
@@ -235,6 +245,7 @@ class FragmentSyncer:
         the only wait is the island's small agreement collective, and only at steps
         where a result is due or a fragment is sent (the same steps on every rank).
         """
+        self._last_step = step
         for slot in self.slots:
             slot.tokens += tokens
             slot.steps += 1
@@ -270,7 +281,6 @@ class FragmentSyncer:
                         # An arrived version is not written to again until applied: no wait.
                         with slot.lock:
                             self._apply(frag, slot, blend=True)
-                        slot.sent_step = None
                         applied.append(frag.index)
                     elif 0 <= h < hi:  # behind another rank: fetch again
                         with self._lock:
@@ -311,6 +321,7 @@ class FragmentSyncer:
             steps=max(slot.steps, 1),
         )
         with self._lock:
+            slot.in_flight = True
             if frag.index in self._pending:
                 self.stats.superseded += 1
             else:
@@ -324,7 +335,9 @@ class FragmentSyncer:
             if blend and self.alpha > 0.0:
                 new = self.alpha * self.access.read(name) + (1.0 - self.alpha) * new
             self.access.write(name, new)
-        slot.applied, slot.tokens, slot.steps = slot.version, 0, 0
+        with self._lock:
+            slot.applied, slot.tokens, slot.steps = slot.version, 0, 0
+            slot.sent_step, slot.in_flight = None, False
         self.stats.applied += 1
 
     def _flush(self) -> None:
@@ -392,12 +405,18 @@ class FragmentSyncer:
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
-            self._upload(header, delta)
+            if not self._upload(header, delta):  # no result of this upload will come
+                with self._lock:
+                    slot = self.slots[index]
+                    if slot.sent_step == header.step:
+                        slot.in_flight = False
             self._uploads.task_done()
 
     def _wanted(self) -> list[int | None]:
         """Per fragment, the version to fetch a newer one than (-1: any), or None: not now."""
         with self._lock:
+            if self._paused:
+                return [None] * len(self.slots)
             out: list[int | None] = []
             for s in self.slots:
                 if s.version < 0:  # torn by a bad download
@@ -439,7 +458,8 @@ class FragmentSyncer:
         if threading.get_ident() == self._train_thread:
             self.stats.network_calls_in_loop += 1
 
-    def _upload(self, header: wire.UploadHeader, delta) -> None:
+    def _upload(self, header: wire.UploadHeader, delta) -> bool:
+        """Send one upload; True if the coordinator accepted it."""
         self._count_network_call()
         ef, keys = self.feedback, [(header.fragment, n) for n in delta]
         if ef is None:
@@ -455,7 +475,7 @@ class FragmentSyncer:
                     ef.reset(k)
                 self.stats.refused += 1
                 log.warning("%s/%d upload not sent: %s", self.island, self.rank, e)
-                return
+                return False
             body = wire.upload_parts(header, *compress.to_wire(enc))
         accepted = False
         try:
@@ -485,6 +505,105 @@ class FragmentSyncer:
             # (at most one rounding error per value is lost, none is counted twice).
             for k in keys:
                 ef.reset(k)
+        return accepted
+
+    # ------------------------------------------------------------ end of training
+    def flush(self, timeout_s: float = 60.0) -> list[int]:
+        """Send the progress the last scheduled sends left behind; every rank calls it.
+
+        Call after the last :meth:`on_step`, before :meth:`close`, when the island is
+        about to leave: each fragment's steps since its last apply (H/2 on average)
+        would otherwise never reach the global model. In three parts, every decision
+        taken by the whole island in the agreement collective (all ranks take the
+        same ones, and give up at the same time):
+
+        1. results in flight are applied once every rank holds them (at most
+           ``timeout_s / 2``; training is over, so tau is not waited for);
+        2. every fragment with steps since its last apply, and not sent at the last
+           step already, is sent as :meth:`on_step` sends (each rank its slices,
+           the island's tokens, step = the last step; a fragment whose result did
+           not come is sent again: its newer upload replaces the older one);
+        3. their results are waited for (until ``timeout_s``) and applied: merged,
+           or dropped as stale like any upload. An island that leaves before its
+           contribution is merged loses it (the coordinator drops what a leaving
+           island has pending), so this wait is what makes the flush count.
+
+        Returns the fragments sent. With K = M a round needs every live island's
+        upload: each island's flush sends the same fragments (the schedule is
+        shared), and an island that has left no longer counts, so the rounds close.
+        With K = 1 a flush upload based on a version that another island's merge
+        has replaced is stale: dropped, as it would be at any step.
+        """
+        if self._last_step is None or not any(t.is_alive() for t in self._threads):
+            return []
+        t0 = time.monotonic()
+        self._settle(t0 + timeout_s / 2)
+        sent = self._send_progress(self._last_step)
+        self.stats.flushed += len(sent)
+        self.stats.flush_unsettled += self._settle(t0 + timeout_s)
+        self.stats.flush_s += time.monotonic() - t0
+        log.info(
+            "%s/%d flush: sent fragments %s; %d result(s) missing after %.2f s",
+            self.island, self.rank, sent, self.stats.flush_unsettled, self.stats.flush_s,
+        )  # fmt: skip
+        return sent
+
+    def _settle(self, deadline: float) -> int:
+        """Apply results as every rank gets them until no rank waits for one, or until
+        some rank's ``deadline`` has passed; returns this rank's uploads still waiting."""
+        while True:
+            with self._lock:
+                held = [s.version if s.sent_step is not None and s.arrived else -1
+                        for s in self.slots]  # fmt: skip
+                waiting = sum(s.in_flight for s in self.slots)
+            late = int(time.monotonic() >= deadline)
+            lows, highs, _ = self._agree([*held, waiting, late])
+            applied = False
+            for frag, slot, h, lo, hi in zip(self.plan.fragments, self.slots, held, lows, highs):
+                if slot.sent_step is None:
+                    continue
+                if lo == hi >= 0:  # every rank holds the same new version
+                    with slot.lock:
+                        self._apply(frag, slot, blend=True)
+                    applied = True
+                elif 0 <= h < hi:  # behind another rank: fetch again
+                    with self._lock:
+                        slot.refetch = True
+            if applied:
+                self._flush()
+            if highs[-2] == 0:
+                return 0
+            if highs[-1] == 1:  # given up: what this rank still waits for
+                with self._lock:
+                    return sum(s.in_flight for s in self.slots)
+            time.sleep(self.poll_s)
+
+    def _send_progress(self, step: int) -> list[int]:
+        """Send, at ``step``, every fragment with steps since its last apply (the island agrees)."""
+        with self._lock:
+            self._paused = True  # the downloader starts no new fetch ...
+        for slot in self.slots:
+            slot.lock.acquire()  # ... and one under way ends first: the bases stay as they are
+        try:
+            with self._lock:
+                usable = [
+                    int(s.version == s.applied >= 0 and not s.refetch and s.steps > 0
+                        and (s.sent_step is None or s.sent_step < step))
+                    for s in self.slots
+                ]  # fmt: skip
+                tokens = [s.tokens for s in self.slots]
+            lows, _, rows = self._agree(usable + tokens)
+            p, sent = len(self.slots), []
+            for i, frag in enumerate(self.plan.fragments):
+                if lows[i] == 1:  # every rank has progress on it and the base it started from
+                    self._send(frag, step, True, sum(r[p + i] for r in rows))
+                    sent.append(i)
+            return sent
+        finally:
+            for slot in self.slots:
+                slot.lock.release()
+            with self._lock:
+                self._paused = False
 
     def leave(self) -> None:
         """Tell the coordinator this island is done for good (best effort)."""

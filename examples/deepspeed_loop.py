@@ -79,7 +79,7 @@ def main() -> None:
                 f"step {engine.global_steps} loss {loss.item():.3f} applied {applied}", flush=True
             )
 
-    # Sends what is queued, leaves the run, and loads the merged model into the engine.
+    # Sends the steps not sent yet, leaves the run, loads the merged model into the engine.
     versions = learner.close(take_global=True)  # ds_diloco
     if rank == 0:
         print(f"done: global versions {versions}, uploads {learner.stats.uploads}", flush=True)

@@ -87,11 +87,13 @@ def test_decoupled_diloco_learns_and_stays_near_the_zero3_baseline(tmp_path, tin
     # int4 uploads of 1 fragment in H/P = 2 steps vs a fp32 all-reduce every step.
     assert 0 < b.bytes_ratio(dec) < 1 / 10, b.bytes_ratio(dec)
     # What the coordinator merged and dropped, per island: every island sent 30 / 2 = 15
-    # contributions (one per rank: world size 1), whose steps are those since the island
-    # last applied the fragment (summed over the P = 2 fragments: at most 2 x 30).
+    # contributions (one per rank: world size 1), and on leaving fragment 1 (sent at step
+    # 28) once more unless its result came only at step 30; their steps are those since
+    # the island last applied the fragment (summed over the P = 2 fragments: at most 2 x 30).
+    # The islands waited for their last contributions: none was left unmerged.
     assert sorted(dec.islands) == ["island-0", "island-1"], dec.islands
     for counts in dec.islands.values():
-        assert counts["merged"] + counts["dropped"] <= counts["sent"] == 15, counts
+        assert counts["merged"] + counts["dropped"] == counts["sent"] in (15, 16), counts
         assert 0 < counts["steps_merged"] + counts["steps_dropped"] <= 2 * s.steps, counts
     assert 0 < dec.merges <= dec.merged == sum(dec.by_staleness.values())
     assert set(dec.by_staleness) == {"0"}  # the paper's rule: only fresh ones are merged

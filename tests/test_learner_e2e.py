@@ -95,6 +95,35 @@ def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_
     assert island["tokens_merged"] % per_step == 0 and island["tokens_merged"] > 0, island
 
 
+def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_config_path, tmp_path):
+    # H = 8, P = 4: fragment p is sent after steps 2 (p + 1) + 8k. After 13 steps the last
+    # sends were at steps 6, 8, 10 and 12: no fragment is due at the last step.
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
+        num_fragments=4, sync_every=8, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token=TOKEN,
+    )  # fmt: skip
+    saved = tmp_path / "merged"
+    with ServerThread(cfg) as srv:
+        args = common_args(tiny_config_path, tmp_path, srv.url)
+        proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
+            *args, "--steps", "13", "--save", str(saved)])  # fmt: skip
+        assert proc.returncode == 0, output(proc)
+        check_joined_and_equal(srv, saved, tiny_config_path, min_merges=1)
+        status = srv.coord.status()
+        island = status["islands"]["a"]
+        # close() sent the steps after each fragment's last send, at step 13, and waited
+        # for them to be merged before leaving: nothing of the island is left pending.
+        assert island["last_step"] == 13 and island["left"], island
+        assert not status["pending"], status["pending"]
+        table = json.loads((tmp_path / "state" / "coordinator.json").read_text())
+        at_13 = {(f, r) for f, r, s in table["islands"]["a"]["uploads"] if s == 13}
+        # Fragments 2 and 3 (sent at 6 and 8, applied long before 13) certainly had steps
+        # left; 0 and 1 too unless their result came only at step 13.
+        assert {(f, r) for f in (2, 3) for r in (0, 1)} <= at_13, table["islands"]["a"]
+        assert island["merged"] == 6 + len(at_13) // 2, island  # 6 scheduled sends
+
+
 def run_single(script: Path, args: list[str], timeout: float = 120, **extra_env):
     """One process as a world of one (no launcher)."""
     e = env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

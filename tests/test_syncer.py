@@ -215,3 +215,162 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, 
             assert torch.equal(params[n].detach(), merged[n]), n
         s.close(timeout=5)
         proxy.close()
+
+
+# ------------------------------------------------------------ end-of-training flush
+class ThreadGather:
+    """The island's all-gather (``zero.island_gather``) for ranks that are threads here."""
+
+    def __init__(self, ranks: int):
+        self.rows: list = [None] * ranks
+        self.barrier = threading.Barrier(ranks)
+
+    def agree_of(self, rank: int):
+        def agree(values):
+            self.rows[rank] = list(values)
+            self.barrier.wait(timeout=30)  # a rank that never comes fails the test, not hangs it
+            rows = [list(r) for r in self.rows]
+            self.barrier.wait(timeout=30)
+            return rows
+
+        return agree
+
+
+def run_threads(*fns) -> list:
+    """Run each function in its own thread; their results, or the first error raised."""
+    out, errors = [None] * len(fns), []
+
+    def wrap(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+def island_syncers(srv, client, name, model, world, **kw):
+    info = client.register(name, world, srv.coord.plan.signature)
+    plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
+    gather = ThreadGather(world)
+    return [
+        FragmentSyncer(client, name, plan, schedule, ModelShardAccess(model, world, r),
+                       world_size=world, rank=r, poll_s=0.01, agree=gather.agree_of(r), **kw)
+        for r in range(world)
+    ]  # fmt: skip
+
+
+def train(s: FragmentSyncer, steps: range, wait_results: bool = True) -> None:
+    """Inner steps that move each of the rank's values by -0.01; before a step at which a
+    result is due, wait until it came (so the steps each upload holds are known)."""
+    for step in steps:
+        for name in s.access.params:
+            s.access.write(name, s.access.read(name) - 0.01)
+        if wait_results:
+            for slot in s.slots:
+                if slot.sent_step is not None and step >= s.schedule.apply_at(slot.sent_step):
+                    wait_for(lambda slot=slot: slot.arrived)
+        s.on_step(step, tokens=64)
+
+
+def flush_config(tmp_path, tiny_config_path, quorum: int) -> CoordinatorConfig:
+    # P = 2, H = 4: fragment 0 is sent after steps 2, 6, ..., fragment 1 after 4, 8, ...
+    return CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=4,
+        policy=PolicyOptions(min_quorum=quorum, grace_gamma=0.0, tau=1), token="t",
+    )  # fmt: skip
+
+
+def test_flush_sends_the_steps_after_the_last_sends_and_the_global_model_gets_them(
+    tiny_config_path, tmp_path
+):
+    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=0)
+        ranks = island_syncers(srv, client, "isl", model, world=2)
+        v0 = srv.coord.global_tensors()
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 6))) for s in ranks])
+        # Fragment 0 went at step 2 (applied at 3), fragment 1 at step 4 (applied at 5):
+        # fragment 0's steps 4 and 5 are in no upload yet.
+        wait_for(lambda: srv.coord.versions() == [1, 1])
+        sent = run_threads(*[lambda s=s: s.flush(timeout_s=30) for s in ranks])
+        assert sent == [[0], [0]]  # fragment 1 was applied at the last step: nothing new
+        for s in ranks:
+            assert (s.stats.flushed, s.stats.flush_unsettled) == (1, 0), s.stats
+            s.close(timeout=5)
+        assert srv.coord.versions() == [2, 1]
+        island = srv.coord.status()["islands"]["isl"]
+        assert island["steps_merged"] == 2 + 4 + 2 and island["merged"] == 3, island
+        # The flushed pseudo-gradient is 2 steps of 0.01; outer Nesterov (lr 0.7, momentum
+        # 0.9) on fragment 0's second merge: g1 = g2 = 0.02, update g2 + 0.9 (0.9 g1 + g2).
+        glob, frag0 = srv.coord.global_tensors(), ranks[0].plan.fragments[0].names
+        for n in frag0:
+            want = v0[n] - 0.7 * (0.02 + 0.9 * 0.02) - 0.7 * (0.02 + 0.9 * (0.9 * 0.02 + 0.02))
+            assert torch.allclose(glob[n], want, atol=1e-5), n
+        # Every rank applied the flushed result: the local fragment is the global one.
+        params = dict(model.named_parameters())
+        assert all(torch.equal(params[n].detach(), glob[n]) for n in frag0)
+        assert all(s.versions() == [2, 1] for s in ranks)
+
+
+def test_flush_with_quorum_all_islands_completes_the_rounds_as_islands_finish(
+    tiny_config_path, tmp_path
+):
+    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=1)
+        (b,) = island_syncers(srv, client, "b", model_from(tiny_config_path, 0), world=1)
+        a.bootstrap(), b.bootstrap()
+        for step in range(1, 6):  # in lock step; K = 2: a round closes on both uploads
+            train(a, range(step, step + 1))
+            train(b, range(step, step + 1))
+        # a is done after step 5 and flushes fragment 0 (steps 4, 5); b goes on. The round
+        # closes with b's scheduled upload of fragment 0 at step 6; then a leaves.
+        done = threading.Thread(target=lambda: (a.flush(timeout_s=30), a.close(5), a.leave()))
+        done.start()
+        train(b, range(6, 8))
+        done.join(timeout=60)
+        assert not done.is_alive()
+        # b's flush: fragment 1 (steps 6, 7); a has left, so the round needs b alone.
+        assert b.flush(timeout_s=30) == [1]
+        b.close(timeout=5)
+        for s in (a, b):
+            assert s.stats.flushed == 1 and s.stats.flush_unsettled == 0, s.stats
+            assert s.stats.flush_s < 10, s.stats
+        st = srv.coord.status()
+        assert st["versions"] == [2, 2] and not st["pending"], st
+        steps = {k: v["steps_merged"] for k, v in st["islands"].items()}
+        # a: 2 (fragment 0, step 2) + 4 (fragment 1, step 4) + 2 (its flush);
+        # b: 2 + 4 + 3 (fragment 0 at step 6, applied at 3) + 2 (its flush).
+        assert steps == {"a": 8, "b": 11}, steps
+
+
+def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
+    tiny_config_path, tmp_path
+):
+    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        ranks = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=2)
+        client.register("idle", 1, srv.coord.plan.signature)  # live, but never uploads
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 4), False)) for s in ranks])
+        t0 = time.monotonic()
+        sent = run_threads(*[lambda s=s: s.flush(timeout_s=2) for s in ranks])
+        assert 2 <= time.monotonic() - t0 < 8
+        # Fragment 0's step-2 result never came: sent again at step 3 (replacing the step-2
+        # upload in the open round); fragment 1 for the first time. Neither gets a result.
+        assert sent == [[0, 1], [0, 1]]
+        assert all(s.stats.flush_unsettled == 2 for s in ranks)
+        pending = srv.coord.status()["pending"]
+        assert {k: v["complete"] for k, v in pending.items()} == {"0": ["a"], "1": ["a"]}
+        assert srv.coord._frags[0].complete["a"].step == 3
+        for s in ranks:
+            s.close(timeout=5)
