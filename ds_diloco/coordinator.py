@@ -47,6 +47,7 @@ from ds_diloco.state_store import StateStore
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 VERSION_RESERVE = 16  # version numbers made durable per fsync of versions.json
+CLOSED_AT_KEPT = 8  # round close times kept per fragment (a stale upload's lateness)
 
 
 class CoordinatorError(Exception):
@@ -198,6 +199,9 @@ class _FragmentState:
         self.saved_version = -1
         self.last_merge: dict = {}
         self.grad = torch.empty(fragment.numel)
+        # When the rounds that made recent versions closed (clock time): a stale upload is
+        # told how long after the round it missed it came (islands shift their send phase).
+        self.closed_at: dict[int, float] = {}
 
     def publish(self, version: int, values: torch.Tensor) -> None:
         """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
@@ -421,6 +425,7 @@ class Coordinator:
                 "overlap": self.cfg.policy.tau,
             },
             "compression": dataclasses.asdict(self.cfg.compression),
+            "align_phase": self.cfg.align_phase,
         }
 
     def _drop_pending(self, island: str) -> None:
@@ -498,6 +503,11 @@ class Coordinator:
                 isl.dropped += 1
                 if h.rank == 0:  # once per contribution, not per rank
                     isl.steps_dropped += h.steps
+                closed = fs.closed_at.get(h.base_version + 1)
+                if h.base_version < fs.version and closed is not None:
+                    # How long after the round that replaced its base it came: the island
+                    # sends that much earlier from now on (FragmentSyncer phase shift).
+                    return self._reply("dropped", fs, why, late_s=round(max(now - closed, 0), 4))
                 return self._reply("dropped", fs, why)
             if cur is not None and cur.step > h.step:
                 isl.dropped += 1
@@ -740,6 +750,8 @@ class Coordinator:
             fs.publish(version + 1, values)
         finally:
             fs.lock.release_write()
+        fs.closed_at[version + 1] = now
+        fs.closed_at.pop(version + 1 - CLOSED_AT_KEPT, None)
         sync = time.perf_counter() - t0
         with self._lock:
             fs.merges += 1

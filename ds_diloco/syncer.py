@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -122,6 +123,8 @@ class SyncStats:
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap: must stay 0
     )
+    phase_shifts: int = 0  # times the island moved its send phase earlier (stale uploads)
+    phase: int = 0  # steps the send schedule now runs ahead of the inner steps (mod H)
     flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
     flush_unsettled: int = 0  # uploads still without a result when the flush gave up
     flush_s: float = 0.0  # time in the final flush (waiting for results included)
@@ -143,6 +146,7 @@ class FragmentSyncer:
         long_poll_s: float = 2.0,
         agree=None,
         codec: compress.Codec | None = None,
+        align_phase: bool = True,
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
@@ -166,6 +170,17 @@ class FragmentSyncer:
         self._pending: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
+        # Phase alignment. With K = 1 a round closes on the first island's upload (plus the
+        # grace window); an island whose sends come later in wall time than the others'
+        # finds every upload stale and every one dropped, round after round. The
+        # coordinator says how late a stale upload came (late_s); the island's ranks agree
+        # on moving the send schedule that many steps earlier (``phase``).
+        self.align_phase = align_phase
+        self.phase = 0
+        self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
+        self._shifted_at = 0  # uploads sent before this step predate the last shift
+        self._step_s = 0.0  # this rank's inner step time, moving average
+        self._step_t: float | None = None
         self._last_step: int | None = None  # the last inner step seen by on_step
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
@@ -246,6 +261,11 @@ class FragmentSyncer:
         where a result is due or a fragment is sent (the same steps on every rank).
         """
         self._last_step = step
+        now = time.perf_counter()
+        if self._step_t is not None:
+            dt = now - self._step_t
+            self._step_s = dt if self._step_s == 0.0 else 0.8 * self._step_s + 0.2 * dt
+        self._step_t = now
         for slot in self.slots:
             slot.tokens += tokens
             slot.steps += 1
@@ -254,7 +274,7 @@ class FragmentSyncer:
             for frag, slot in zip(self.plan.fragments, self.slots)
             if slot.sent_step is not None and step >= self.schedule.apply_at(slot.sent_step)
         ]
-        p = self.schedule.due(step)
+        p = self.schedule.due(step + self.phase)
         send = self.slots[p] if p is not None else None
         # The fragment due now is sent only if every rank's base holds the version its local
         # values started from (none has a newer one waiting to be applied, or a download
@@ -273,9 +293,12 @@ class FragmentSyncer:
             if due or flag:
                 with self._lock:
                     held = [slot.version if slot.arrived else -1 for _, slot in due]
+                    late_step, late_s = self._late
+                phase = [late_step, round(late_s * 1e3), round(self._step_s * 1e3)]
                 t0 = time.perf_counter()
-                lows, highs, rows = self._agree(held + flag)
+                lows, highs, rows = self._agree(held + phase + flag)
                 self.stats.agree_s += time.perf_counter() - t0
+                self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
                 for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
                     if lo == hi >= 0:  # every rank holds the same new version: apply it now
                         # An arrived version is not written to again until applied: no wait.
@@ -297,6 +320,32 @@ class FragmentSyncer:
             if locked:
                 send.lock.release()
         return applied
+
+    def _shift_phase(self, step: int, rows: list[list[int]]) -> None:
+        """Move the send schedule earlier if a rank's upload came back stale and late.
+
+        ``rows``: every rank's [step of its latest late stale upload, ms late, its step
+        time in ms]; every rank decides the same from the same rows. The shift is at
+        most H - tau - 1 steps, so no fragment comes due again before its last send's
+        result is applied; uploads sent before this step are not acted on again.
+        """
+        late_step = max(r[0] for r in rows)
+        if not self.align_phase or late_step < max(self._shifted_at, 1):
+            return
+        late_ms = max(r[1] for r in rows if r[0] == late_step)
+        step_ms = max(r[2] for r in rows)
+        cap = self.schedule.sync_every - self.schedule.overlap - 1
+        shift = min(math.ceil(late_ms / step_ms), cap) if step_ms > 0 else 0
+        self._shifted_at = step + 1
+        if shift < 1:
+            return
+        self.phase = (self.phase + shift) % self.schedule.sync_every
+        self.stats.phase_shifts += 1
+        self.stats.phase = self.phase
+        log.info(
+            "%s/%d uploads came %.2f s after their rounds closed: sends move %d step(s) "
+            "earlier (phase %d)", self.island, self.rank, late_ms / 1e3, shift, self.phase,
+        )  # fmt: skip
 
     def _send(self, frag: Fragment, step: int, ok: bool, tokens: int) -> None:
         slot = self.slots[frag.index]
@@ -485,6 +534,11 @@ class FragmentSyncer:
             accepted = reply["status"] == "accepted"
             if not accepted:
                 self.stats.dropped += 1
+                late = reply.get("late_s")
+                if isinstance(late, (int, float)) and late >= 0:
+                    with self._lock:
+                        if header.step > self._late[0]:
+                            self._late = (header.step, float(late))
                 log.info(
                     "%s/%d fragment %d step %d: %s",
                     self.island,

@@ -198,12 +198,14 @@ def test_a_stalled_islands_late_contribution_follows_the_staleness_policy(
     send(coord, "a", 0, step=2)
     clock.now += 11.0  # "b" stalls (SIGSTOP): its lease runs out, the round closes without it
     assert coord.poll(0).merge and coord.versions()[0] == base + 1
+    clock.now += 2.5
     frag = coord.plan.fragments[0]  # "b" wakes up and sends against the old version
     header = wire.UploadHeader(island="b", rank=0, world_size=1, fragment=0, base_version=base,
                                step=2, tokens=100, steps=2)  # fmt: skip
     full = {p.name: torch.ones(p.shape) for p in frag.params}
     reply = coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
     assert reply["status"] == "dropped" and "stale" in reply["reason"]
+    assert reply["late_s"] == 2.5  # after the round that replaced its base closed
     assert coord.status()["islands"]["b"]["live"] is True  # heard from again
 
 

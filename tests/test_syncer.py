@@ -374,3 +374,56 @@ def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
         assert srv.coord._frags[0].complete["a"].step == 3
         for s in ranks:
             s.close(timeout=5)
+
+
+def _nudge(model):
+    with torch.no_grad():  # one "inner step"
+        for p in model.parameters():
+            p.sub_(0.01)
+
+
+def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_config_path, tmp_path):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=4, sync_every=4, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        islands = {}
+        for name in ("a", "b"):
+            info = client.register(name, 1, srv.coord.plan.signature)
+            model = model_from(tiny_config_path, seed=0)
+            s = FragmentSyncer(
+                client, name, FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"]),
+                ModelShardAccess(model),
+            )  # fmt: skip
+            s.bootstrap()
+            islands[name] = (s, model)
+        (a, ma), (b, mb) = islands["a"], islands["b"]
+        # Step 1: "a" sends fragment 0 and K = 1 closes the round at once; "b" sends its
+        # fragment 0 0.3 s later, against the version that round replaced: stale.
+        _nudge(ma)
+        a.on_step(1, tokens=64)
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        time.sleep(0.3)
+        _nudge(mb)
+        b.on_step(1, tokens=64)
+        wait_for(lambda: b.stats.dropped == 1)
+        assert b.phase == 0 and b.stats.phase_shifts == 0  # nothing moves between steps
+        time.sleep(1.0)  # "b"'s steps take about 1 s: 0.3 s late is one step
+        _nudge(mb)
+        b.on_step(2, tokens=64)  # the island agrees on the shift with this step's send
+        assert b.phase == 1 and b.stats.phase_shifts == 1 and b.stats.phase == 1
+        assert b.slots[1].sent_step == 2  # fragment 1 went out at step 2, as scheduled
+        _nudge(mb)
+        b.on_step(3, tokens=64)  # one step ahead now: fragment 3 is due, fragment 2 waits
+        assert b.slots[3].sent_step == 3 and b.slots[2].sent_step is None
+        # Replies to uploads sent before the shift do not move it again.
+        wait_for(lambda: b._uploads.unfinished_tasks == 0)
+        _nudge(mb)
+        b.on_step(4, tokens=64)
+        assert b.stats.phase_shifts == 1
+        for s in (a, b):
+            s.close()
+        assert a.stats.dropped == 0 and a.phase == 0
