@@ -231,6 +231,8 @@ class Method:
     """What becomes of a contribution computed against an older version (``STALE``)."""
     outer: str = "nesterov"
     """Outer optimizer: ``nesterov`` or ``delayed_nesterov`` (momentum every M merges)."""
+    align_phase: bool = True
+    """Islands move their send phase after stale uploads (``CoordinatorConfig.align_phase``)."""
 
     def __post_init__(self):
         if self.stale not in STALE:
@@ -242,7 +244,8 @@ class Method:
         stale = f", {STALE[self.stale]}" if self.stale != "drop" else ""
         outer = ", delayed Nesterov" if self.outer == "delayed_nesterov" else ""
         slow = ", island 0 at half speed" if self.slow_s else ""
-        return f"{LABELS[self.kind]}{extra}{stale}{outer}{slow}"
+        fixed = ", fixed send phase" if not self.align_phase else ""
+        return f"{LABELS[self.kind]}{extra}{stale}{outer}{fixed}{slow}"
 
 
 STALE = {
@@ -290,6 +293,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             else StalenessPolicy(mode="drop")
         ),
         compression=Codec(name=m.codec, block=s.block),
+        align_phase=m.align_phase,
     )
     return RunConfig(
         model=model,
@@ -581,6 +585,8 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the benchmark
 MAIN = ("zero3", "sync", "decoupled")
+FIXED_PHASE = "decoupled-fixed-phase"
+"""``--fixed-phase``: Decoupled DiLoCo without phase alignment, every seed."""
 """Method keys run with every seed; the others (variants) with seed 0."""
 DEFAULT_STALE_VARIANTS = ("next",)
 """The stale modes run as variants by default (``--stale``)."""
@@ -669,6 +675,7 @@ def run_bench(
     sync: bool = True,
     stale: tuple[str, ...] | None = None,
     hetero_stale: str | None = None,
+    fixed_phase: bool = False,
     echo=None,
 ) -> QualityBench:
     """The three methods with every seed, then the variants (seed 0): Decoupled DiLoCo with
@@ -692,6 +699,8 @@ def run_bench(
         if sync:
             go(s.method("sync", "sync", seed=seed))
         go(s.method("decoupled", "decoupled", seed=seed))
+        if fixed_phase:  # paired by seed: what phase alignment does
+            go(s.method(FIXED_PHASE, "decoupled", seed=seed, align_phase=False))
     main = out["decoupled"][0]
     for mode in stale:
         go(s.method(f"stale-{mode}", "decoupled", stale=mode))
@@ -870,6 +879,7 @@ def main(args) -> int:
         hetero_sync=args.hetero_sync,
         stale=stale,
         hetero_stale=args.hetero_stale,
+        fixed_phase=args.fixed_phase,
         echo=echo,
     )
     png = plot(b, Path(args.plot or Path(s.workdir) / "quality.png"))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ds_diloco.bench.quality import (
     BYTES_GOAL,
+    FIXED_PHASE,
     LOSS_GOAL,
     MAIN,
     QualityBench,
@@ -86,7 +87,7 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
     init = [r.initial for r in res["zero3"]]
     ratio0 = statistics.fmean(r.initial / r.loss for r in res["zero3"])
     lines.append(f"  {'initial model':40s} {statistics.fmean(init):7.4f} {'':6s} {ratio0:6.3f}")
-    for key in MAIN:
+    for key in (*MAIN, FIXED_PHASE):
         if key in res:
             lines.append(row(res[key]))
     dec = b.summary("decoupled")
@@ -128,7 +129,15 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
                 )
 
     main = res["decoupled"][0]
-    variants = [k for k in res if k not in MAIN and not k.startswith("hetero-")]
+    if FIXED_PHASE in res:
+        lines.append(
+            "    phase alignment: Decoupled / Decoupled with a fixed send phase, paired by seed: "
+            + ", ".join(
+                f"{d.loss / f.loss:.3f}"
+                for d, f in zip(res["decoupled"], res[FIXED_PHASE], strict=False)
+            )
+        )
+    variants = [k for k in res if k not in (*MAIN, FIXED_PHASE) and not k.startswith("hetero-")]
     if variants:
         lines += [
             "",
