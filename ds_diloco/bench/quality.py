@@ -62,10 +62,23 @@ paper's rule (dropped), the variant ``stale-next`` (``--stale``) runs the
 prototype of ``stale_merge.py``: a contribution one version stale rides along
 with the fragment's next round (see ``STALE`` for the other modes tried).
 
+End of training. An island that has done its steps sends every fragment's steps
+since its last apply and waits until they are merged before it leaves
+(``Learner.close``, see ``FragmentSyncer.flush``), so the global model evaluated
+holds every island's last steps: about H/2 steps per fragment, and with K = M the
+last rounds, that an island leaving first used to cut short. Each such fragment
+then takes one more outer step (sync DiLoCo: 89 merges instead of 80) and about
+10% more bytes. Measured with 3 seeds it did not help: sync DiLoCo's loss went
+from 6.234 to 6.267 (every seed worse), Decoupled's from 6.401 to 6.483 (stale
+drops, 52 / 0 / 68% of steps before, 38 / 56 / 53% after, decide that one). A
+likely cause: the outer step that a flush adds is mostly Nesterov look-ahead
+(lr x momentum x buffer), and no training follows to correct it.
+
 Size: the defaults (tiny Llama, 80 steps, 3 seeds of the three methods, then
-stale-next, codec none and the heterogeneous variant: 12 runs) took 28 minutes
-on 2 CPU cores that other jobs kept busy (steps of about 0.6 s instead of 0.4 s);
-at the 80 s a run of the earlier 7-run bench on idle cores, about 16 minutes.
+stale-next, codec none and the heterogeneous variant: 12 runs) took 27 minutes
+(1647 s) on 2 CPU cores that other jobs kept busy (steps of about 0.6 s instead
+of 0.4 s); at the 80 s a run of the earlier 7-run bench on idle cores, about 16
+minutes.
 ``--codecs all`` adds int8 and
 bf16; ``--steps`` scales the budget, ``--preset 125m`` moves to GPUs.
 """
