@@ -47,7 +47,7 @@ from ds_diloco.state_store import StateStore
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 VERSION_RESERVE = 16  # version numbers made durable per fsync of versions.json
-CLOSED_AT_KEPT = 8  # round close times kept per fragment (a stale upload's lateness)
+OPENED_AT_KEPT = 8  # round start times kept per fragment (a stale upload's lateness)
 
 
 class CoordinatorError(Exception):
@@ -199,9 +199,10 @@ class _FragmentState:
         self.saved_version = -1
         self.last_merge: dict = {}
         self.grad = torch.empty(fragment.numel)
-        # When the rounds that made recent versions closed (clock time): a stale upload is
-        # told how long after the round it missed it came (islands shift their send phase).
-        self.closed_at: dict[int, float] = {}
+        # When the rounds that made recent versions got their first contribution (clock
+        # time): a stale upload is told how long after that it came, i.e. how much earlier
+        # its island has to send to be in the same round (islands shift their send phase).
+        self.opened_at: dict[int, float] = {}
 
     def publish(self, version: int, values: torch.Tensor) -> None:
         """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
@@ -503,11 +504,13 @@ class Coordinator:
                 isl.dropped += 1
                 if h.rank == 0:  # once per contribution, not per rank
                     isl.steps_dropped += h.steps
-                closed = fs.closed_at.get(h.base_version + 1)
-                if h.base_version < fs.version and closed is not None:
-                    # How long after the round that replaced its base it came: the island
-                    # sends that much earlier from now on (FragmentSyncer phase shift).
-                    return self._reply("dropped", fs, why, late_s=round(max(now - closed, 0), 4))
+                opened = fs.opened_at.get(h.base_version + 1)
+                if h.base_version == fs.version - 1 and opened is not None:
+                    # One round late: how long after that round's first contribution it
+                    # came; the island sends that much earlier from now on, into the
+                    # round (FragmentSyncer phase shift). Further behind: no phase to read.
+                    late = round(max(now - opened, 0.0), 4)
+                    return self._reply("dropped", fs, why, late_s=late)
                 return self._reply("dropped", fs, why)
             if cur is not None and cur.step > h.step:
                 isl.dropped += 1
@@ -750,8 +753,8 @@ class Coordinator:
             fs.publish(version + 1, values)
         finally:
             fs.lock.release_write()
-        fs.closed_at[version + 1] = now
-        fs.closed_at.pop(version + 1 - CLOSED_AT_KEPT, None)
+        fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
+        fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
         with self._lock:
             fs.merges += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -205,7 +206,13 @@ def test_a_stalled_islands_late_contribution_follows_the_staleness_policy(
     full = {p.name: torch.ones(p.shape) for p in frag.params}
     reply = coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
     assert reply["status"] == "dropped" and "stale" in reply["reason"]
-    assert reply["late_s"] == 2.5  # after the round that replaced its base closed
+    assert reply["late_s"] == 13.5  # after the first contribution of the round it missed
+    send(coord, "a", 0, step=4)
+    clock.now += 11.0  # "b" stalls again
+    assert coord.poll(0).merge and coord.versions()[0] == base + 2
+    header = dataclasses.replace(header, step=3)  # two versions behind: no phase to read
+    reply = coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
+    assert reply["status"] == "dropped" and "late_s" not in reply
     assert coord.status()["islands"]["b"]["live"] is True  # heard from again
 
 
