@@ -179,6 +179,10 @@ class FragmentSyncer:
         self.phase = 0
         self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
         self._shifted_at = 0  # uploads sent before this step predate the last shift
+        # Fragments a shift skipped: their base misses the round held meanwhile, so their
+        # next upload is stale by construction (about a cycle late): it says nothing of
+        # the phase. Fragment -> the step of that upload, once sent.
+        self._skipped: dict[int, int | None] = {}
         self._step_s = 0.0  # this rank's inner step time, moving average
         self._step_t: float | None = None
         self._last_step: int | None = None  # the last inner step seen by on_step
@@ -339,18 +343,28 @@ class FragmentSyncer:
         self._shifted_at = step + 1
         if shift < 1:
             return
+        # The next step's clock is step + 1 + the new phase: the fragments due at the
+        # clocks in between are not sent this cycle.
+        with self._lock:
+            for clock in range(step + 1 + self.phase, step + 1 + self.phase + shift):
+                p = self.schedule.due(clock)
+                if p is not None:
+                    self._skipped[p] = None
         self.phase = (self.phase + shift) % self.schedule.sync_every
         self.stats.phase_shifts += 1
         self.stats.phase = self.phase
         log.info(
-            "%s/%d uploads came %.2f s after their rounds closed: sends move %d step(s) "
-            "earlier (phase %d)", self.island, self.rank, late_ms / 1e3, shift, self.phase,
+            "%s/%d an upload came %.2f s after its round's first contribution: sends move %d "
+            "step(s) earlier (phase %d)", self.island, self.rank, late_ms / 1e3, shift, self.phase,
         )  # fmt: skip
 
     def _send(self, frag: Fragment, step: int, ok: bool, tokens: int) -> None:
         slot = self.slots[frag.index]
         # Every rank marks the send, uploaded or not, so that the ranks' due steps agree.
         slot.sent_step = step
+        with self._lock:
+            if frag.index in self._skipped and self._skipped[frag.index] is None:
+                self._skipped[frag.index] = step  # its first upload since the shift
         if not ok:  # decided by the whole island (on_step): the next send carries the progress
             self.stats.skipped += 1
             return
@@ -537,7 +551,10 @@ class FragmentSyncer:
                 late = reply.get("late_s")
                 if isinstance(late, (int, float)) and late >= 0:
                     with self._lock:
-                        if header.step > self._late[0]:
+                        skipped = self._skipped.get(header.fragment, -1)
+                        if skipped is not None and skipped <= header.step:
+                            self._skipped.pop(header.fragment, None)  # its phase is current now
+                        if header.step > self._late[0] and skipped != header.step:
                             self._late = (header.step, float(late))
                 log.info(
                     "%s/%d fragment %d step %d: %s",
