@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--stale", default=None,
                     help="variants: Decoupled DiLoCo with these stale modes, comma-separated "
                     "(drop, next, next-sgd, async; default next; 'none': no variant)")  # fmt: skip
+    bq.add_argument("--no-sync", action="store_true",
+                    help="skip synchronous DiLoCo (e.g. with --fixed-phase: a paired A/B)")  # fmt: skip
     bq.add_argument("--fixed-phase", action="store_true",
                     help="also run Decoupled DiLoCo without phase alignment, every seed")  # fmt: skip
     bq.add_argument("--hetero-stale", default=None, metavar="MODE",

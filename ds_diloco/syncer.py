@@ -291,6 +291,12 @@ class FragmentSyncer:
             if send is not None:
                 with self._lock:
                     ok = locked and send.version == send.applied >= 0 and not send.refetch
+                    # Its last upload's result is still on the way (a phase shift brought
+                    # the fragment round early): a new one now would be stale on arrival.
+                    # Bounded: a result lost for good (a coordinator restart) stops no send.
+                    ok = ok and not (
+                        send.in_flight and step - send.sent_step < self.schedule.sync_every
+                    )
                 flag = [1 if ok else 0, send.tokens]
             applied = []
             send_ok, send_tokens = False, 0  # set below whenever a fragment is due to be sent
@@ -330,8 +336,9 @@ class FragmentSyncer:
 
         ``rows``: every rank's [step of its latest late stale upload, ms late, its step
         time in ms]; every rank decides the same from the same rows. The shift is at
-        most H - tau - 1 steps, so no fragment comes due again before its last send's
-        result is applied; uploads sent before this step are not acted on again.
+        most H - tau - 1 steps, and one per H steps (uploads sent before the next H
+        steps are not acted on): a fragment whose last result is still on the way when
+        it comes due again is not sent then (:meth:`on_step`).
         """
         late_step = max(r[0] for r in rows)
         if not self.align_phase or late_step < max(self._shifted_at, 1):
@@ -340,7 +347,8 @@ class FragmentSyncer:
         step_ms = max(r[2] for r in rows)
         cap = self.schedule.sync_every - self.schedule.overlap - 1
         shift = min(math.ceil(late_ms / step_ms), cap) if step_ms > 0 else 0
-        self._shifted_at = step + 1
+        # One shift per cycle: the uploads of the next H steps show whether it worked.
+        self._shifted_at = step + self.schedule.sync_every
         if shift < 1:
             return
         # The next step's clock is step + 1 + the new phase: the fragments due at the

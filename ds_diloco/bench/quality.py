@@ -893,6 +893,7 @@ def main(args) -> int:
         stale=stale,
         hetero_stale=args.hetero_stale,
         fixed_phase=args.fixed_phase,
+        sync=not args.no_sync,
         echo=echo,
     )
     png = plot(b, Path(args.plot or Path(s.workdir) / "quality.png"))
