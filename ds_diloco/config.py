@@ -68,11 +68,15 @@ class CoordinatorConfig:
     islands use: inner steps between sending a fragment and applying its result)."""
     staleness: StalenessPolicy = dataclasses.field(default_factory=StalenessPolicy)
     """What happens to a pseudo-gradient computed against an older version."""
-    align_phase: bool = True
-    """Islands whose uploads come back stale move their send schedule earlier by as
-    many steps as they were late (the stale reply says by how much), so that their
-    sends fall into the other islands' rounds instead of missing every one (K < M).
-    Served at registration, like ``compression``."""
+    align_phase: bool = False
+    """Experimental, off by default: islands whose uploads come back stale move their
+    send schedule earlier by as many steps as they were late (the stale reply says by
+    how much), so that their sends fall into the other islands' rounds instead of
+    missing every one (K < M). Served at registration, like ``compression``. Measured
+    (``bench quality --aligned-phase``, seed 0): it did not cut the stale drops (47-48%
+    of island steps against 19% without), because an island that takes a version while
+    the next round is still open stays one version behind on that fragment, round after
+    round, whatever its phase; that has to be fixed first."""
     plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
     """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
     compression: Codec = dataclasses.field(default_factory=Codec)

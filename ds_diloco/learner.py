@@ -112,7 +112,7 @@ class Learner:
             Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
             world_size=self.world_size, rank=self.rank, alpha=alpha, agree=zero.island_gather,
             codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
-            align_phase=bool(info.get("align_phase", True)),
+            align_phase=bool(info.get("align_phase", False)),
         )  # fmt: skip
         self.syncer.bootstrap()  # every rank now holds the global model, the same versions
         self._seen_step = engine.global_steps

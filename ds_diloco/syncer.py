@@ -146,7 +146,7 @@ class FragmentSyncer:
         long_poll_s: float = 2.0,
         agree=None,
         codec: compress.Codec | None = None,
-        align_phase: bool = True,
+        align_phase: bool = False,
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")

@@ -21,7 +21,7 @@ import torch
 
 from ds_diloco import cli, wire
 from ds_diloco.bench.quality import (
-    FIXED_PHASE,
+    ALIGNED,
     LABELS,
     Method,
     QualityBench,
@@ -153,8 +153,8 @@ def test_report_takes_the_mean_ratio_over_seeds_paired_with_the_same_seeds_basel
     assert "<= 1.02 met" in report
     runs["decoupled"][2] = _fake("decoupled", "decoupled", 2, 5.95, 5, 3)  # 1.0259
     assert "<= 1.02 MISSED" in format_report(b)
-    runs[FIXED_PHASE] = [_fake(FIXED_PHASE, "decoupled", i, 6.12) for i in range(3)]
-    assert "paired by seed: 0.990, 1.043, 0.972" in format_report(b)
+    runs[ALIGNED] = [_fake(ALIGNED, "decoupled", i, x) for i, x in enumerate((6.0, 6.66, 5.78))]
+    assert "paired by seed: 0.990, 1.043, 0.971" in format_report(b)
     json.dumps(b.to_json())
 
 
@@ -233,8 +233,8 @@ def test_cli_parses_bench_quality_flags():
          "--seeds", "2", "--momentum", "0.8", "--tune-momenta", "0.8,0.9"]
     )  # fmt: skip
     got = (args.what, args.steps, args.outer_lr, args.no_hetero, args.tune, args.preset)
-    assert got == ("quality", 17, 0.5, True, True, "tiny") and args.fixed_phase is False
-    assert cli.build_parser().parse_args(["bench", "quality", "--fixed-phase"]).fixed_phase
+    assert got == ("quality", 17, 0.5, True, True, "tiny") and args.aligned_phase is False
+    assert cli.build_parser().parse_args(["bench", "quality", "--aligned-phase"]).aligned_phase
     s = setup_from_args(args)
     assert codec_variants(None) == ("none",) and codec_variants("all") == CODECS
     assert codec_variants("int8", none=True) == () and stale_modes("none") == ()
@@ -273,10 +273,10 @@ def test_each_method_gets_its_settings_and_absolute_paths():
     assert (dec.outer.lr, dec.outer.momentum) == (s.outer_lr, s.momentum)
     stale = run_config(s, s.method("x", "decoupled", stale="next"), Path("d")).coordinator.staleness
     assert (stale.mode, stale.discount_lambda) == ("discount", s.stale_lambda)
-    assert dec.align_phase is True
-    fixed = s.method(FIXED_PHASE, "decoupled", align_phase=False)
-    assert run_config(s, fixed, Path("d")).coordinator.align_phase is False
-    assert "fixed send phase" in fixed.label
+    assert dec.align_phase is False  # experimental: off unless asked for
+    aligned = s.method(ALIGNED, "decoupled", align_phase=True)
+    assert run_config(s, aligned, Path("d")).coordinator.align_phase is True
+    assert "phase alignment" in aligned.label
 
 
 def test_stale_merge_prototype_applies_stale_contributions_by_plain_sgd(tiny_config_path, tmp_path):

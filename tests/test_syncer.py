@@ -396,7 +396,7 @@ def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_con
             model = model_from(tiny_config_path, seed=0)
             s = FragmentSyncer(
                 client, name, FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"]),
-                ModelShardAccess(model),
+                ModelShardAccess(model), align_phase=True,
             )  # fmt: skip
             s.bootstrap()
             islands[name] = (s, model)

@@ -244,8 +244,9 @@ class Method:
     """What becomes of a contribution computed against an older version (``STALE``)."""
     outer: str = "nesterov"
     """Outer optimizer: ``nesterov`` or ``delayed_nesterov`` (momentum every M merges)."""
-    align_phase: bool = True
-    """Islands move their send phase after stale uploads (``CoordinatorConfig.align_phase``)."""
+    align_phase: bool = False
+    """Islands move their send phase after stale uploads (``CoordinatorConfig.align_phase``,
+    experimental)."""
 
     def __post_init__(self):
         if self.stale not in STALE:
@@ -257,7 +258,7 @@ class Method:
         stale = f", {STALE[self.stale]}" if self.stale != "drop" else ""
         outer = ", delayed Nesterov" if self.outer == "delayed_nesterov" else ""
         slow = ", island 0 at half speed" if self.slow_s else ""
-        fixed = ", fixed send phase" if not self.align_phase else ""
+        fixed = ", phase alignment" if self.align_phase else ""
         return f"{LABELS[self.kind]}{extra}{stale}{outer}{fixed}{slow}"
 
 
@@ -598,8 +599,8 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the benchmark
 MAIN = ("zero3", "sync", "decoupled")
-FIXED_PHASE = "decoupled-fixed-phase"
-"""``--fixed-phase``: Decoupled DiLoCo without phase alignment, every seed."""
+ALIGNED = "decoupled-aligned-phase"
+"""``--aligned-phase``: Decoupled DiLoCo with phase alignment (experimental), every seed."""
 """Method keys run with every seed; the others (variants) with seed 0."""
 DEFAULT_STALE_VARIANTS = ("next",)
 """The stale modes run as variants by default (``--stale``)."""
@@ -688,7 +689,7 @@ def run_bench(
     sync: bool = True,
     stale: tuple[str, ...] | None = None,
     hetero_stale: str | None = None,
-    fixed_phase: bool = False,
+    aligned_phase: bool = False,
     echo=None,
 ) -> QualityBench:
     """The three methods with every seed, then the variants (seed 0): Decoupled DiLoCo with
@@ -712,8 +713,8 @@ def run_bench(
         if sync:
             go(s.method("sync", "sync", seed=seed))
         go(s.method("decoupled", "decoupled", seed=seed))
-        if fixed_phase:  # paired by seed: what phase alignment does
-            go(s.method(FIXED_PHASE, "decoupled", seed=seed, align_phase=False))
+        if aligned_phase:  # paired by seed: what phase alignment does
+            go(s.method(ALIGNED, "decoupled", seed=seed, align_phase=True))
     main = out["decoupled"][0]
     for mode in stale:
         go(s.method(f"stale-{mode}", "decoupled", stale=mode))
@@ -892,7 +893,7 @@ def main(args) -> int:
         hetero_sync=args.hetero_sync,
         stale=stale,
         hetero_stale=args.hetero_stale,
-        fixed_phase=args.fixed_phase,
+        aligned_phase=args.aligned_phase,
         sync=not args.no_sync,
         echo=echo,
     )

@@ -6,8 +6,8 @@ import statistics
 from pathlib import Path
 
 from ds_diloco.bench.quality import (
+    ALIGNED,
     BYTES_GOAL,
-    FIXED_PHASE,
     LOSS_GOAL,
     MAIN,
     QualityBench,
@@ -87,7 +87,7 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
     init = [r.initial for r in res["zero3"]]
     ratio0 = statistics.fmean(r.initial / r.loss for r in res["zero3"])
     lines.append(f"  {'initial model':40s} {statistics.fmean(init):7.4f} {'':6s} {ratio0:6.3f}")
-    for key in (*MAIN, FIXED_PHASE):
+    for key in (*MAIN, ALIGNED):
         if key in res:
             lines.append(row(res[key]))
     dec = b.summary("decoupled")
@@ -129,15 +129,15 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
                 )
 
     main = res["decoupled"][0]
-    if FIXED_PHASE in res:
+    if ALIGNED in res:
         lines.append(
-            "    phase alignment: Decoupled / Decoupled with a fixed send phase, paired by seed: "
+            "    phase alignment: Decoupled with it / without it, paired by seed: "
             + ", ".join(
                 f"{d.loss / f.loss:.3f}"
-                for d, f in zip(res["decoupled"], res[FIXED_PHASE], strict=False)
+                for f, d in zip(res["decoupled"], res[ALIGNED], strict=False)
             )
         )
-    variants = [k for k in res if k not in (*MAIN, FIXED_PHASE) and not k.startswith("hetero-")]
+    variants = [k for k in res if k not in (*MAIN, ALIGNED) and not k.startswith("hetero-")]
     if variants:
         lines += [
             "",
