@@ -73,10 +73,11 @@ class CoordinatorConfig:
     send schedule earlier by as many steps as they were late (the stale reply says by
     how much), so that their sends fall into the other islands' rounds instead of
     missing every one (K < M). Served at registration, like ``compression``. Measured
-    (``bench quality --aligned-phase``, seed 0): it did not cut the stale drops (47-48%
-    of island steps against 19% without), because an island that takes a version while
-    the next round is still open stays one version behind on that fragment, round after
-    round, whatever its phase; that has to be fixed first."""
+    (``bench quality --aligned-phase --no-sync``, 3 seeds, quiet 2-core machine): it made
+    things worse, 34-47% of island steps dropped as stale against 0-8% without, held-out
+    loss 1.063 x ZeRO-3's against 1.034: an island that takes a version while the next
+    round is still open stays one version behind on that fragment, round after round,
+    whatever its phase, and its lateness then reads as a whole cycle; fix that first."""
     plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
     """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
     compression: Codec = dataclasses.field(default_factory=Codec)
