@@ -309,15 +309,7 @@ class FragmentSyncer:
                 lows, highs, rows = self._agree(held + phase + flag)
                 self.stats.agree_s += time.perf_counter() - t0
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
-                for (frag, slot), h, lo, hi in zip(due, held, lows, highs):
-                    if lo == hi >= 0:  # every rank holds the same new version: apply it now
-                        # An arrived version is not written to again until applied: no wait.
-                        with slot.lock:
-                            self._apply(frag, slot, blend=True)
-                        applied.append(frag.index)
-                    elif 0 <= h < hi:  # behind another rank: fetch again
-                        with self._lock:
-                            slot.refetch = True
+                applied = self._apply_agreed(due, held, lows, highs)
                 self._flush()
                 if send is not None:
                     # Applied just now on every rank (nothing trained since), or usable on
@@ -329,6 +321,22 @@ class FragmentSyncer:
         finally:
             if locked:
                 send.lock.release()
+        return applied
+
+    def _apply_agreed(self, pairs, held: list[int], lows: list[int], highs: list[int]) -> list[int]:
+        """Apply each (fragment, slot) of ``pairs`` whose new version every rank holds
+        (``held``: this rank's, -1 for none; ``lows`` / ``highs``: over the island's ranks);
+        a rank behind another fetches again. Returns the fragments applied."""
+        applied = []
+        for (frag, slot), h, lo, hi in zip(pairs, held, lows, highs):
+            if lo == hi >= 0:  # every rank holds the same new version: apply it now
+                # An arrived version is not written to again until applied: no wait.
+                with slot.lock:
+                    self._apply(frag, slot, blend=True)
+                applied.append(frag.index)
+            elif 0 <= h < hi:  # behind another rank: fetch again
+                with self._lock:
+                    slot.refetch = True
         return applied
 
     def _shift_phase(self, step: int, rows: list[list[int]]) -> None:
@@ -637,18 +645,8 @@ class FragmentSyncer:
                 waiting = sum(s.in_flight for s in self.slots)
             late = int(time.monotonic() >= deadline)
             lows, highs, _ = self._agree([*held, waiting, late])
-            applied = False
-            for frag, slot, h, lo, hi in zip(self.plan.fragments, self.slots, held, lows, highs):
-                if slot.sent_step is None:
-                    continue
-                if lo == hi >= 0:  # every rank holds the same new version
-                    with slot.lock:
-                        self._apply(frag, slot, blend=True)
-                    applied = True
-                elif 0 <= h < hi:  # behind another rank: fetch again
-                    with self._lock:
-                        slot.refetch = True
-            if applied:
+            # held is -1 for a slot that waits for no result: nothing applied or fetched there.
+            if self._apply_agreed(zip(self.plan.fragments, self.slots), held, lows, highs):
                 self._flush()
             if highs[-2] == 0:
                 return 0

@@ -31,14 +31,17 @@ DS_CPU = REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"
 TOKEN = "learner-test-token"
 
 
+def coordinator_config(tiny_config_path, tmp_path, sync_every: int = 4) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
+        num_fragments=4, sync_every=sync_every,
+        policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1), token=TOKEN,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def coordinator(tiny_config_path, tmp_path):
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
-        num_fragments=4, sync_every=4, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token=TOKEN,
-    )  # fmt: skip
-    with ServerThread(cfg) as srv:
+    with ServerThread(coordinator_config(tiny_config_path, tmp_path)) as srv:
         yield srv
 
 
@@ -98,13 +101,8 @@ def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_
 def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_config_path, tmp_path):
     # H = 8, P = 4: fragment p is sent after steps 2 (p + 1) + 8k. After 13 steps the last
     # sends were at steps 6, 8, 10 and 12: no fragment is due at the last step.
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
-        num_fragments=4, sync_every=8, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token=TOKEN,
-    )  # fmt: skip
     saved = tmp_path / "merged"
-    with ServerThread(cfg) as srv:
+    with ServerThread(coordinator_config(tiny_config_path, tmp_path, sync_every=8)) as srv:
         args = common_args(tiny_config_path, tmp_path, srv.url)
         proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
             *args, "--steps", "13", "--save", str(saved)])  # fmt: skip

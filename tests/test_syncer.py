@@ -281,11 +281,11 @@ def train(s: FragmentSyncer, steps: range, wait_results: bool = True) -> None:
         s.on_step(step, tokens=64)
 
 
-def flush_config(tmp_path, tiny_config_path, quorum: int) -> CoordinatorConfig:
-    # P = 2, H = 4: fragment 0 is sent after steps 2, 6, ..., fragment 1 after 4, 8, ...
+def coordinator_config(tmp_path, tiny_config_path, quorum: int, num_fragments: int = 2):
+    # H = 4; with P = 2 fragment 0 is sent after steps 2, 6, ..., fragment 1 after 4, 8, ...
     return CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=2, sync_every=4,
+        num_fragments=num_fragments, sync_every=4,
         policy=PolicyOptions(min_quorum=quorum, grace_gamma=0.0, tau=1), token="t",
     )  # fmt: skip
 
@@ -293,7 +293,7 @@ def flush_config(tmp_path, tiny_config_path, quorum: int) -> CoordinatorConfig:
 def test_flush_sends_the_steps_after_the_last_sends_and_the_global_model_gets_them(
     tiny_config_path, tmp_path
 ):
-    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=0)
         ranks = island_syncers(srv, client, "isl", model, world=2)
@@ -325,7 +325,7 @@ def test_flush_sends_the_steps_after_the_last_sends_and_the_global_model_gets_th
 def test_flush_with_quorum_all_islands_completes_the_rounds_as_islands_finish(
     tiny_config_path, tmp_path
 ):
-    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=1)
         (b,) = island_syncers(srv, client, "b", model_from(tiny_config_path, 0), world=1)
@@ -357,7 +357,7 @@ def test_flush_with_quorum_all_islands_completes_the_rounds_as_islands_finish(
 def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
     tiny_config_path, tmp_path
 ):
-    with ServerThread(flush_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         ranks = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=2)
         client.register("idle", 1, srv.coord.plan.signature)  # live, but never uploads
@@ -376,56 +376,34 @@ def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
             s.close(timeout=5)
 
 
-def _nudge(model):
-    with torch.no_grad():  # one "inner step"
-        for p in model.parameters():
-            p.sub_(0.01)
-
-
 def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_config_path, tmp_path):
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=4, sync_every=4, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token="t",
-    )  # fmt: skip
-    with ServerThread(cfg) as srv:
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, 1, num_fragments=4)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
-        islands = {}
-        for name in ("a", "b"):
-            info = client.register(name, 1, srv.coord.plan.signature)
-            model = model_from(tiny_config_path, seed=0)
-            s = FragmentSyncer(
-                client, name, FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"]),
-                ModelShardAccess(model), align_phase=True,
-            )  # fmt: skip
-            s.bootstrap()
-            islands[name] = (s, model)
-        (a, ma), (b, mb) = islands["a"], islands["b"]
+        a, b = (
+            island_syncers(srv, client, name, model_from(tiny_config_path, 0), 1, align_phase=True)[0]
+            for name in ("a", "b")
+        )  # fmt: skip
+        a.bootstrap(), b.bootstrap()
         # Step 1: "a" sends fragment 0 and K = 1 closes the round at once; "b" sends its
         # fragment 0 0.3 s later, against the version that round replaced: stale.
-        _nudge(ma)
-        a.on_step(1, tokens=64)
+        train(a, range(1, 2), False)
         wait_for(lambda: srv.coord.versions()[0] == 1)
         time.sleep(0.3)
-        _nudge(mb)
-        b.on_step(1, tokens=64)
+        train(b, range(1, 2), False)
         wait_for(lambda: b.stats.dropped == 1)
         assert b.phase == 0 and b.stats.phase_shifts == 0  # nothing moves between steps
         time.sleep(1.0)  # "b"'s steps take about 1 s: 0.3 s late is one step
-        _nudge(mb)
-        b.on_step(2, tokens=64)  # the island agrees on the shift with this step's send
+        train(b, range(2, 3), False)  # the island agrees on the shift with this step's send
         assert b.phase == 1 and b.stats.phase_shifts == 1 and b.stats.phase == 1
         assert b.slots[1].sent_step == 2  # fragment 1 went out at step 2, as scheduled
-        _nudge(mb)
-        b.on_step(3, tokens=64)  # one step ahead now: fragment 3 is due, fragment 2 waits
+        train(b, range(3, 4), False)  # one step ahead now: fragment 3 is due, fragment 2 waits
         assert b.slots[3].sent_step == 3 and b.slots[2].sent_step is None
         # Fragment 2's next upload misses the round held while it waited: stale by
         # construction, so its lateness will not move the phase again.
         assert b._skipped == {2: None}
         # Replies to uploads sent before the shift do not move it again.
         wait_for(lambda: b._uploads.unfinished_tasks == 0)
-        _nudge(mb)
-        b.on_step(4, tokens=64)
+        train(b, range(4, 5), False)
         assert b.stats.phase_shifts == 1
         for s in (a, b):
             s.close()
