@@ -121,16 +121,28 @@ class _Island:
     """(fragment, rank) -> last step received: anything not newer is a replay."""
     merged: int = 0
     dropped: int = 0
+    """Contributions that will never be merged: stale, replaced by a newer one of the
+    island, or still pending when it left. merged + dropped = contributions sent."""
     tokens_merged: int = 0
     steps_merged: int = 0
     """Inner steps in this island's merged contributions, summed over fragments."""
     steps_dropped: int = 0
-    """Inner steps in its contributions dropped as stale, summed over fragments."""
+    """Inner steps in its dropped contributions, summed over fragments."""
+    last_dropped: dict[int, int] = dataclasses.field(default_factory=dict)
+    """fragment -> step of the last contribution counted as dropped: each rank's part
+    of one contribution can end on its own path (stale on arrival, dropped at the
+    merge, replaced, left pending); the contribution is counted once."""
     joined_at: float = dataclasses.field(default_factory=lambda: time.time())
     """Wall-clock time of the first registration: from then on the island is allocated."""
     left_at: float | None = None
     """Wall-clock time it left for good (``leave``); None while it belongs to the run."""
     registrations: int = 1
+
+    def count_dropped(self, fragment: int, step: int, steps: int) -> None:
+        if self.last_dropped.get(fragment) != step:
+            self.last_dropped[fragment] = step
+            self.dropped += 1
+            self.steps_dropped += steps
 
     def to_json(self) -> dict:
         return {
@@ -435,6 +447,12 @@ class Coordinator:
                 c = table.pop(island, None)
                 if c is not None:
                     fs.give_row(c.row)
+                    self._count_dropped(fs, c)
+
+    def _count_dropped(self, fs: _FragmentState, c: _Contribution) -> None:
+        isl = self._islands.get(c.island)
+        if isl is not None:
+            isl.count_dropped(fs.fragment.index, c.step, c.steps)
 
     def _is_live(self, isl: _Island, now: float) -> bool:
         """Heard from within the lease (``island_timeout_s``) and not gone for good."""
@@ -501,9 +519,7 @@ class Coordinator:
                 isl.last_step, isl.last_step_at = h.step, now
             weight, why = self._weight(h, fs.version)
             if weight == 0.0:
-                isl.dropped += 1
-                if h.rank == 0:  # once per contribution, not per rank
-                    isl.steps_dropped += h.steps
+                isl.count_dropped(h.fragment, h.step, h.steps)
                 opened = fs.opened_at.get(h.base_version + 1)
                 if h.base_version == fs.version - 1 and opened is not None:
                     # One round late: how long after that round's first contribution it
@@ -513,11 +529,12 @@ class Coordinator:
                     return self._reply("dropped", fs, why, late_s=late)
                 return self._reply("dropped", fs, why)
             if cur is not None and cur.step > h.step:
-                isl.dropped += 1
+                isl.count_dropped(h.fragment, h.step, h.steps)
                 return self._reply("dropped", fs, f"superseded by step {cur.step} of this island")
             if cur is None or cur.step < h.step:
                 if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
                     fs.give_row(cur.row)
+                    isl.count_dropped(h.fragment, cur.step, cur.steps)
                 cur = _Contribution(
                     island=h.island,
                     world_size=h.world_size,
@@ -541,6 +558,7 @@ class Coordinator:
                 old = fs.complete.pop(h.island, None)
                 if old is not None:  # the island's newer pseudo-gradient replaces its older one
                     fs.give_row(old.row)
+                    isl.count_dropped(h.fragment, old.step, old.steps)
                 fs.complete[h.island] = cur
             return self._reply("accepted", fs, why, complete=complete, weight=weight)
 
@@ -738,6 +756,10 @@ class Coordinator:
             weights[c.row] = w
             sq[c.row] = c.sq_norms
             reasons[c.island] = why
+        with self._lock:  # weighed out now (a policy on time or staleness): never merged
+            for c in contribs:
+                if weights[c.row] == 0:
+                    self._count_dropped(fs, c)
         if weights.sum() <= 0:
             log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
@@ -785,9 +807,7 @@ class Coordinator:
                         if c.base_version < fs.version:
                             del table[island]
                             fs.give_row(c.row)
-                            if island in self._islands:
-                                self._islands[island].dropped += 1
-                                self._islands[island].steps_dropped += c.steps
+                            self._count_dropped(fs, c)
         log.info(
             "fragment %d -> v%d from %s (%s) in %.3fs",
             fs.fragment.index,

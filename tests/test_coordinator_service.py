@@ -325,6 +325,46 @@ def test_discount_policy_merges_stale_contribution_with_less_weight(tiny_config_
         srv.stop()
 
 
+def test_every_contribution_ends_merged_or_dropped_once(tiny_config_path, tmp_path):
+    """A contribution (one per island, fragment and step, whatever its ranks) is counted
+    once when it can no longer be merged: replaced by a newer one, stale (on every rank),
+    or pending when its island left; merged + dropped = contributions sent."""
+    cfg = make_cfg(tiny_config_path, tmp_path / "s", policy=PolicyOptions(min_quorum=2, tau=1))
+    srv = ServerThread(cfg)
+    try:
+        client = client_for(srv)
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        client.register("a", 2, plan.signature)
+        client.register("b", 1, plan.signature)
+        delta = {n: torch.full_like(t, 0.01) for n, t in srv.coord.global_tensors().items()}
+
+        def send(island, ranks, frag, step):
+            ws = 2 if island == "a" else 1
+            header = dict(island=island, world_size=ws, fragment=frag, step=step,
+                          base_version=0, tokens=64, steps=4)  # fmt: skip
+            f = plan.fragments[frag]
+            return [client.upload(wire.UploadHeader(rank=r, **header),
+                                  rank_slices(f, delta, ws, r))["status"]
+                    for r in ranks]  # fmt: skip
+
+        counts = lambda i: {k: srv.coord.status()["islands"][i][k]  # noqa: E731
+                            for k in ("merged", "dropped", "steps_dropped")}  # fmt: skip
+        assert send("a", [0, 1], 0, step=4) == ["accepted"] * 2
+        assert send("a", [0, 1], 0, step=8) == ["accepted"] * 2  # replaces step 4's
+        assert counts("a") == {"merged": 0, "dropped": 1, "steps_dropped": 4}
+        assert send("b", [0], 0, step=4) == ["accepted"]
+        wait_versions(client, [1, 0, 0, 0])
+        assert counts("a")["merged"] == counts("b")["merged"] == 1
+        assert send("a", [0, 1], 0, step=12) == ["dropped"] * 2  # stale: counted once
+        assert counts("a") == {"merged": 1, "dropped": 2, "steps_dropped": 8}
+        assert send("a", [0], 1, step=12) == ["accepted"]  # half a contribution, then it leaves
+        client.leave("a")
+        assert counts("a") == {"merged": 1, "dropped": 3, "steps_dropped": 12}  # 4 sent
+        assert srv.coord.status()["pending"] == {}  # its half contribution is gone too
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------ bad input
 def _snapshot(srv):
     st = srv.coord.status()
