@@ -177,6 +177,7 @@ class FragmentSyncer:
         # on moving the send schedule that many steps earlier (``phase``).
         self.align_phase = align_phase
         self.phase = 0
+        self._not_ready = ""  # why this rank could not send the fragment due at its last step
         self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
         self._shifted_at = 0  # uploads sent before this step predate the last shift
         # Fragments a shift skipped: their base misses the round held meanwhile, so their
@@ -290,14 +291,8 @@ class FragmentSyncer:
             flag = []  # [may send, this rank's tokens in the fragment since its last apply]
             if send is not None:
                 with self._lock:
-                    ok = locked and send.version == send.applied >= 0 and not send.refetch
-                    # Its last upload's result is still on the way (a phase shift brought
-                    # the fragment round early): a new one now would be stale on arrival.
-                    # Bounded: a result lost for good (a coordinator restart) stops no send.
-                    ok = ok and not (
-                        send.in_flight and step - send.sent_step < self.schedule.sync_every
-                    )
-                flag = [1 if ok else 0, send.tokens]
+                    self._not_ready = self._why_not_ready(send, step, locked)
+                flag = [0 if self._not_ready else 1, send.tokens]
             applied = []
             send_ok, send_tokens = False, 0  # set below whenever a fragment is due to be sent
             if due or flag:
@@ -312,16 +307,34 @@ class FragmentSyncer:
                 applied = self._apply_agreed(due, held, lows, highs)
                 self._flush()
                 if send is not None:
-                    # Applied just now on every rank (nothing trained since), or usable on
-                    # every rank; the island's tokens are the sum of its ranks'.
-                    send_ok = p in applied or lows[-2] == 1
-                    send_tokens = 0 if p in applied else sum(r[-1] for r in rows)
+                    # Usable on every rank; the island's tokens are the sum of its ranks'.
+                    # Its result applied just now (it came H steps late): nothing trained
+                    # since, nothing to send.
+                    send_ok = p not in applied and lows[-2] == 1
+                    send_tokens = sum(r[-1] for r in rows)
+                    if p in applied:
+                        self._not_ready = "its last result was applied only now"
             if send is not None:
                 self._send(self.plan.fragments[p], step, send_ok, send_tokens)
         finally:
             if locked:
                 send.lock.release()
         return applied
+
+    def _why_not_ready(self, slot: _Slot, step: int, locked: bool) -> str:
+        """Why this rank cannot send ``slot``'s fragment now ("": it can); ``_lock`` held."""
+        if not locked:
+            return "a download is writing its base"
+        if slot.version < 0 or slot.refetch:
+            return "its base is being fetched again"
+        if slot.version != slot.applied:
+            return f"version {slot.version} arrived and waits to be applied"
+        # Its last upload's result is still on the way (a phase shift brought the fragment
+        # round early): a new one now would be stale on arrival. Bounded: a result lost for
+        # good (a coordinator restart) stops no send.
+        if slot.in_flight and step - slot.sent_step < self.schedule.sync_every:
+            return f"the result of its upload at step {slot.sent_step} is still on the way"
+        return ""
 
     def _apply_agreed(self, pairs, held: list[int], lows: list[int], highs: list[int]) -> list[int]:
         """Apply each (fragment, slot) of ``pairs`` whose new version every rank holds
@@ -383,6 +396,10 @@ class FragmentSyncer:
                 self._skipped[frag.index] = step  # its first upload since the shift
         if not ok:  # decided by the whole island (on_step): the next send carries the progress
             self.stats.skipped += 1
+            log.info(
+                "%s/%d fragment %d step %d: send skipped (this rank: %s)", self.island,
+                self.rank, frag.index, step, self._not_ready or "ready; another rank was not",
+            )  # fmt: skip
             return
         # No download writes this base now: the caller holds its lock, or it was applied
         # this step (a download only writes a slot that waits for a result).

@@ -85,6 +85,44 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
         assert all(s.stats.network_calls_in_loop == 0 for s in ranks)
 
 
+def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sent(
+    tiny_config_path, tmp_path
+):
+    """Its result came H steps late: applied at the step it is due, nothing trained since;
+    the send is skipped (an upload would carry no steps, and be dropped for that)."""
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1),
+        token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        models = {i: model_from(tiny_config_path, seed=0) for i in "ab"}
+        syncers = {}
+        for i, model in models.items():
+            info = client.register(i, 1, srv.coord.plan.signature)
+            syncers[i] = FragmentSyncer(
+                client, i, FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"]),
+                ModelShardAccess(model), poll_s=0.01,
+            )  # fmt: skip
+            syncers[i].bootstrap()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.01)
+        a, b = syncers["a"], syncers["b"]
+        a.on_step(1, tokens=64)  # fragment 0 sent: its round waits for b (K = 2)
+        assert a.on_step(2, tokens=64) == []  # fragment 1 sent; fragment 0's result not here
+        wait_for(lambda: a.stats.uploads == 2)
+        b.on_step(1, tokens=64)  # the round closes
+        wait_for(lambda: a.slots[0].arrived)
+        assert a.on_step(3, tokens=64) == [0]  # applied at step 3, when it is due again
+        assert a.stats.skipped == 1 and 0 not in a._pending
+        for s in syncers.values():
+            s.close()
+        assert a.stats.uploads == 2
+        assert srv.coord.status()["islands"]["a"]["dropped"] == 0
+
+
 def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path, tmp_path):
     cfg = CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),

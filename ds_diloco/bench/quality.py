@@ -428,8 +428,8 @@ class Result:
     islands: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     """DiLoCo, per island as the coordinator counted: ``merged`` and ``dropped``
     contributions, ``steps_merged`` and ``steps_dropped`` (inner steps in them); and
-    ``sent``, the contributions the island uploaded (its syncer's count). Sent but neither
-    merged nor dropped: still waiting when the run ended (or superseded)."""
+    ``sent``, the contributions the island uploaded, and ``skipped``, the scheduled sends
+    it skipped (its syncer's counts). merged + dropped = sent once no island waits."""
     by_staleness: dict[str, int] = dataclasses.field(default_factory=dict)
     """DiLoCo: merged contributions by versions of staleness (0: fresh)."""
     by_quorum: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -547,6 +547,7 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
         for name, rs in per_island.items():  # contributions uploaded (each rank: its slices)
             if name in counts:
                 counts[name]["sent"] = min(r["stats"]["uploads"] for r in rs)
+                counts[name]["skipped"] = min(r["stats"]["skipped"] for r in rs)
         run = status.get("run", {})
         by_staleness = {str(k): int(v) for k, v in sorted(run.get("by_staleness", {}).items())}
         by_quorum = {str(k): int(v) for k, v in sorted(run.get("by_quorum", {}).items())}
