@@ -51,12 +51,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(token: str) -> dict:
+def _env(token: str, ranks: int) -> dict:
     env = {**os.environ, TOKEN_ENV: token, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", "1")  # one core per rank; the launcher does not set it
+        # The run's ranks share this host's cores: an OMP_NUM_THREADS meant for one process
+        # (or torch's default, every core) in each of them oversubscribes the cores, and
+        # OpenMP's spinning threads then slow every rank several times over.
+        env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
     return env
+
+
+def cpu_threads_per_rank(ranks: int) -> int:
+    """This process's cores (its CPU affinity) shared out among ``ranks`` processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(ranks, 1))
 
 
 def plain_dict(obj) -> dict:
@@ -73,7 +82,7 @@ class LocalRun:
             shutil.rmtree(self.workdir / "islands", ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = cfg.coordinator.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
-        self.env = _env(self.token)
+        self.env = _env(self.token, sum(i.world_size for i in cfg.islands))
         self.coordinator: subprocess.Popen | None = None
         self.islands: dict[str, subprocess.Popen] = {}
         self.url = ""

@@ -198,3 +198,22 @@ def test_ctrl_c_stops_every_process_and_saves_the_coordinator(tmp_path, tiny_con
     # The coordinator saved on its way out: its state has the merges it made.
     state = json.loads((workdir / "state" / "coordinator.json").read_text())
     assert sum(state["merges"]) >= 1
+
+
+def test_cpu_ranks_share_the_cores_whatever_omp_num_threads_the_caller_has(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    """An inherited OMP_NUM_THREADS (or torch's default: every core) in each co-located
+    rank oversubscribes the cores: a 2-island chaos run took 3x as long with 2 each."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    for islands, want in (([1, 1], "2"), ([2, 2], "1"), ([1], "4"), ([2, 2, 2], "1")):
+        path = write_run_file(
+            tmp_path, tiny_config_path, [{"name": f"i{k}", "world_size": w}
+                                         for k, w in enumerate(islands)], steps=1,
+        )  # fmt: skip
+        lr = LocalRun(load_run_config(path))
+        if torch.cuda.is_available():  # ranks on GPUs: the caller's setting stands
+            assert lr.env["OMP_NUM_THREADS"] == "8"
+        else:
+            assert lr.env["OMP_NUM_THREADS"] == want, (islands, lr.env["OMP_NUM_THREADS"])
