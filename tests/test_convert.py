@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_diloco import cli
 from ds_diloco.convert import SMOLLM2_INSTALL, gguf_to_hf, smollm2_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -30,11 +29,9 @@ TEXT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
-    return out
+@pytest.fixture
+def converted(smollm2_converted):
+    return smollm2_converted
 
 
 def test_the_folder_loads_with_the_logits_of_the_gguf_model(converted):

@@ -24,7 +24,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_diloco.config import load_island_config, load_run_config
-from ds_diloco.convert import SMOLLM2_INSTALL, gguf_to_hf, smollm2_gguf
+from ds_diloco.convert import SMOLLM2_INSTALL
 from ds_diloco.data import heldout_split, prepare_corpus
 from ds_diloco.hf_model import lm_loss
 
@@ -66,11 +66,11 @@ def test_the_run_file_fine_tunes_with_the_pretrained_models_tokenizer(tmp_path):
     assert load_run_config(tmp_path / "c.yaml").train.lr == 3e-05
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
+@pytest.fixture
+def smollm2(request) -> Path:
     if (CONVERTED / "config.json").is_file():  # converted once by launch/finetune.sh
         return CONVERTED
-    return Path(gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf"))
+    return Path(request.getfixturevalue("smollm2_converted"))  # the session's (test_convert.py)
 
 
 @needs_smollm2

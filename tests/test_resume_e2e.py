@@ -25,7 +25,7 @@ from ds_diloco.coordinator import Coordinator
 from ds_diloco.export import load_global
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 100
+STEPS = 60
 TOKENS_PER_STEP = 4 * 32  # micro_batch x seq_len, world size 1
 
 
