@@ -128,6 +128,7 @@ class SyncStats:
     flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
     flush_unsettled: int = 0  # uploads still without a result when the flush gave up
     flush_s: float = 0.0  # time in the final flush (waiting for results included)
+    transport_cpu_s: float = 0.0  # CPU time of the upload and download threads (at close)
 
 
 class FragmentSyncer:
@@ -494,6 +495,16 @@ class FragmentSyncer:
     # ---------------------------------------------------------- network side
     def _uploader(self) -> None:
         _lower_thread_priority(BACKGROUND_NICE)
+        try:
+            self._upload_loop()
+        finally:
+            self._count_thread_cpu()
+
+    def _count_thread_cpu(self) -> None:
+        with self._lock:
+            self.stats.transport_cpu_s += time.thread_time()
+
+    def _upload_loop(self) -> None:
         while not self._stop.is_set():
             try:
                 index = self._uploads.get(timeout=self.poll_s)
@@ -525,6 +536,12 @@ class FragmentSyncer:
 
     def _downloader(self) -> None:
         _lower_thread_priority(BACKGROUND_NICE)
+        try:
+            self._download_loop()
+        finally:
+            self._count_thread_cpu()
+
+    def _download_loop(self) -> None:
         last_contact = time.monotonic()
         while not self._stop.is_set():
             wanted = self._wanted()

@@ -83,6 +83,8 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
             s.close()
         assert all(s.stats.uploads == 2 and s.stats.failed == 0 for s in ranks)
         assert all(s.stats.network_calls_in_loop == 0 for s in ranks)
+        # The transport threads' CPU time (counted when they end): above 0, below the wall.
+        assert all(0 < s.stats.transport_cpu_s < 2 * 20.0 for s in ranks)
 
 
 def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sent(

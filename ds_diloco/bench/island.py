@@ -289,6 +289,8 @@ class Side:
     """Mean time of a step's sync part (``syncer.on_step``), all steps."""
     agree_per_step_s: float
     """Of the sync part: the ranks' agreement collective."""
+    transport_cpu_per_step_s: float = 0.0
+    """CPU time of a rank's syncer transport threads (uploads, downloads) per step."""
 
 
 @dataclasses.dataclass
@@ -360,9 +362,9 @@ class IslandBench:
         def per_step(key: str):
             return lambda x: statistics.fmean(r[key] / r["steps"] for r in ranks(x))
 
-        def agree(x) -> float:
-            return statistics.fmean(
-                (r["stats"] or {}).get("agree_s", 0.0) / r["steps"] for r in ranks(x)
+        def stat(key: str):  # a syncer counter per step, mean over the ranks
+            return lambda x: statistics.fmean(
+                (r["stats"] or {}).get(key, 0.0) / r["steps"] for r in ranks(x)
             )
 
         return Side(
@@ -371,7 +373,8 @@ class IslandBench:
             peak_rss_mb=med(lambda x: sum(r["peak_rss_mb"] for r in ranks(x))),
             train_per_step_s=med(per_step("train_s")),
             sync_per_step_s=med(per_step("sync_s")),
-            agree_per_step_s=med(agree),
+            agree_per_step_s=med(stat("agree_s")),
+            transport_cpu_per_step_s=med(stat("transport_cpu_s")),
         )
 
     def rows(self) -> list[Row]:
@@ -546,7 +549,8 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
             f"    {row.name:7s} train part plain {_ms(p.train_per_step_s)} -> ds_diloco "
             f"{_ms(s.train_per_step_s)} ({slower_ms:+.1f} ms); sync "
             f"part {_ms(s.sync_per_step_s)} = {100 * s.sync_per_step_s / total:.1f}% of the "
-            f"step, of it agreement collective {_ms(s.agree_per_step_s)}"
+            f"step, of it agreement collective {_ms(s.agree_per_step_s)}; transport threads "
+            f"{_ms(s.transport_cpu_per_step_s)} CPU per step"
         )
     pc, dc = bench.island_cpu_s("plain"), bench.island_cpu_s("ds_diloco")
     lines.append(
