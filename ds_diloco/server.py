@@ -26,6 +26,9 @@ from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.metrics import prometheus_text
 
 log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 3.0
+"""On stop, how long requests in flight may finish; an upload cut short is not
+acknowledged, and the fragment's next send carries its steps."""
 VERSION_HEADER = wire.VERSION_HEADER
 _IDLE_POLL_S = 0.25
 _MAX_WAIT_S = 30.0  # longest long poll
@@ -304,7 +307,9 @@ class CoordinatorServer:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._kick = asyncio.Event()
         self._published = asyncio.Event()  # set (and replaced) after every merge
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # aiohttp's default grace is 60 s, and islands keep sending long polls on their
+        # keep-alive connections during it: a SIGTERM took a minute to save and exit.
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

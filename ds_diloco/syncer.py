@@ -117,7 +117,8 @@ class SyncStats:
     bad_responses: int = 0
     applied: int = 0
     superseded: int = 0  # unsent uploads replaced by a newer one of the same fragment
-    skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn
+    skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn, or ...
+    skipped_late: int = 0  # ... its last result came H steps late: applied at the send step
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
     bytes_sent: int = 0  # upload bodies the coordinator answered (payload, scales, header)
     network_calls_in_loop: int = (
@@ -315,6 +316,7 @@ class FragmentSyncer:
                     send_tokens = sum(r[-1] for r in rows)
                     if p in applied:
                         self._not_ready = "its last result was applied only now"
+                        self.stats.skipped_late += 1
             if send is not None:
                 self._send(self.plan.fragments[p], step, send_ok, send_tokens)
         finally:

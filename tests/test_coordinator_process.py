@@ -89,3 +89,49 @@ def test_pretrained_folder_sigterm_and_resume(tiny_config_path, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def test_sigterm_exits_promptly_with_an_upload_half_sent(tiny_config_path, tmp_path):
+    """An upload whose body stopped coming (an island stalled mid-send) and islands' long
+    polls on keep-alive connections: aiohttp's default 60 s grace for requests in flight
+    let a SIGTERM'd coordinator run on for a minute (a CI failure)."""
+    import threading
+
+    port = free_port()
+    config_file = tmp_path / "coordinator.json"
+    config_file.write_text(json.dumps({
+        "model": {"config": tiny_config_path}, "state_dir": "state", "port": port,
+        "num_fragments": 2, "token": "tok",
+    }))  # fmt: skip
+    proc, _ = start(config_file, port)
+    stop = threading.Event()
+
+    def island():  # one keep-alive session, a new 2 s long poll as soon as one ends
+        c = CoordinatorClient(f"http://127.0.0.1:{port}", "tok", retries=0, timeout_s=10)
+        while not stop.is_set():
+            try:
+                c.versions("a", known=[0, 0], wait=2.0)
+            except Exception:
+                time.sleep(0.05)
+
+    pollers = [threading.Thread(target=island, daemon=True) for _ in range(3)]
+    stalled = socket.create_connection(("127.0.0.1", port))
+    try:
+        for t in pollers:
+            t.start()
+        stalled.sendall(b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+                        b"Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\n"
+                        b"\r\n" + b"\0" * 1000)  # fmt: skip
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        stalled.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert took < 15, f"{took:.1f} s from SIGTERM to exit"
+    assert (tmp_path / "state" / "coordinator.json").is_file()  # it saved on the way out

@@ -88,7 +88,10 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
             st = s["stats"]
             assert st["uploads"] + st["skipped"] + st["superseded"] == 24 + flushed, s
             assert flushed <= 2 and s["stats"]["flush_unsettled"] == 0, s
-            assert s["stats"]["skipped"] <= 3 and s["stats"]["failed"] == 0, s
+            # Skipped for a busy base: rare. A result that came H steps late is applied at
+            # the fragment's next send step, and that send skipped (nothing trained since):
+            # as many as the coordinator's load makes late.
+            assert st["skipped"] - st["skipped_late"] <= 3 and st["failed"] == 0, s
             uploads[name].append(s["stats"]["uploads"])
             assert s["sync_s"] < 0.25 * s["train_s"], s
             assert s["heldout_loss_end"] < s["heldout_loss_start"], s
