@@ -92,34 +92,22 @@ def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sen
 ):
     """Its result came H steps late: applied at the step it is due, nothing trained since;
     the send is skipped (an upload would carry no steps, and be dropped for that)."""
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1),
-        token="t",
-    )  # fmt: skip
-    with ServerThread(cfg) as srv:
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
-        models = {i: model_from(tiny_config_path, seed=0) for i in "ab"}
-        syncers = {}
-        for i, model in models.items():
-            info = client.register(i, 1, srv.coord.plan.signature)
-            syncers[i] = FragmentSyncer(
-                client, i, FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"]),
-                ModelShardAccess(model), poll_s=0.01,
-            )  # fmt: skip
-            syncers[i].bootstrap()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.sub_(0.01)
-        a, b = syncers["a"], syncers["b"]
-        a.on_step(1, tokens=64)  # fragment 0 sent: its round waits for b (K = 2)
-        assert a.on_step(2, tokens=64) == []  # fragment 1 sent; fragment 0's result not here
+        (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+        (b,) = island_syncers(srv, client, "b", model_from(tiny_config_path, seed=0), 1)
+        for s in (a, b):
+            s.bootstrap()
+        # Fragment 0 sent at step 2 (its round waits for b: K = 2), fragment 1 at step 4;
+        # fragment 0's result is not there at its step 3, nor after.
+        train(a, range(1, 6), wait_results=False)
         wait_for(lambda: a.stats.uploads == 2)
-        b.on_step(1, tokens=64)  # the round closes
+        assert a.versions()[0] == 0
+        train(b, range(1, 3))  # b sends fragment 0 at step 2: the round closes
         wait_for(lambda: a.slots[0].arrived)
-        assert a.on_step(3, tokens=64) == [0]  # applied at step 3, when it is due again
+        assert a.on_step(6, tokens=64) == [0]  # applied at step 6, when it is due again
         assert a.stats.skipped == a.stats.skipped_late == 1 and 0 not in a._pending
-        for s in syncers.values():
+        for s in (a, b):
             s.close()
         assert a.stats.uploads == 2
         assert srv.coord.status()["islands"]["a"]["dropped"] == 0
