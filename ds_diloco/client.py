@@ -100,6 +100,10 @@ class CoordinatorClient:
         body = {"island": island, "world_size": world_size, "signature": signature}
         return self._request("POST", "/v1/islands", json=body).json()
 
+    def start(self, island: str) -> int:
+        """Say ``island`` takes its first step now; returns how many of the run's islands have."""
+        return int(self._request("POST", f"/v1/islands/{island}/start").json()["started"])
+
     def leave(self, island: str) -> dict:
         """The island leaves the run for good (a later register brings it back)."""
         return self._request("DELETE", f"/v1/islands/{island}").json()

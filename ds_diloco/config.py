@@ -261,8 +261,18 @@ class IslandConfig:
     """Progress records (progress.jsonl) and the summary go here."""
     token: str | None = None
     """Bearer token; default: $DS_DILOCO_TOKEN."""
+    start_together: int = 0
+    """Before step 1, wait until this many islands of the run are ready too, so that they
+    start in phase (``Learner.start_together``; ``ds-diloco run`` sets it to the run's
+    island count). 0 or 1: start at once."""
+    start_timeout_s: float = 120.0
+    """Longest wait for the others (an island that fails to start holds no one longer)."""
 
     def __post_init__(self):
+        if self.start_together < 0:
+            raise ValueError(f"start_together must be >= 0, got {self.start_together}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
         if not 0 <= self.shard < self.num_shards:
             raise ValueError(
                 f"shard must be in [0, num_shards={self.num_shards}), got {self.shard}"

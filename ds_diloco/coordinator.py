@@ -137,6 +137,8 @@ class _Island:
     left_at: float | None = None
     """Wall-clock time it left for good (``leave``); None while it belongs to the run."""
     registrations: int = 1
+    started: bool = False
+    """It said it is about to take its first step (:meth:`Coordinator.start`)."""
 
     def count_dropped(self, fragment: int, step: int, steps: int) -> None:
         if self.last_dropped.get(fragment) != step:
@@ -408,6 +410,28 @@ class Coordinator:
             self._drop_pending(island)
         self._save_table()  # a registration is durable before it is acknowledged
         return {"island": island, "world_size": world_size, **self.plan_info()}
+
+    def start(self, island: str) -> dict:
+        """``island`` is about to take its first inner step: how many of the run's have.
+
+        Islands that start together stay in phase. With K < M a round closes on the
+        first upload plus the grace window; an island that began more than that later
+        finds each round closed when its upload comes: stale, round after round. So
+        every island calls this until ``started`` reaches the run's island count
+        (:meth:`ds_diloco.learner.Learner.start_together`). An island that has sent
+        anything or left has started too (a restarted coordinator knows those from its
+        table, not from a call)."""
+        with self._lock:
+            isl = self._islands.get(island)
+            if isl is None:
+                raise CoordinatorError(404, f"unknown island {island!r}: register it first")
+            isl.started, isl.last_seen = True, self.clock()
+            started = sum(
+                1
+                for i in self._islands.values()
+                if i.started or i.last_step or i.merged or i.dropped or i.left_at is not None
+            )
+            return {"island": island, "started": started, "islands": len(self._islands)}
 
     def leave(self, island: str) -> dict:
         """The island leaves the run for good: it no longer counts as live for any quorum."""

@@ -128,6 +128,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             alpha=cfg.train.blend_alpha,
         )  # fmt: skip
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+    waited_s = 0.0
+    if not plain and start_step == 0:  # a restarted island joins the running ones at once
+        waited_s = learner.start_together(cfg.start_together, cfg.start_timeout_s)
 
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
@@ -185,6 +188,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "start_step": start_step,
         "tokens": tokens,
         "wall_s": round(wall, 2),
+        "start_wait_s": round(waited_s, 3),
         "train_s": round(step_s, 3),
         "sync_s": round(sync_s, 4),
         "sync_max_s": round(sync_max_s, 4),

@@ -150,6 +150,39 @@ class Learner:
             raise LearnerError(f"island {self.island!r}: could not join the run on ranks {failed}")
         return result
 
+    def start_together(self, islands: int, timeout_s: float = 120.0, poll_s: float = 0.05) -> float:
+        """Wait until ``islands`` islands of the run are ready for their first step.
+
+        Call once, right before the first inner step, on every rank. Islands launched
+        together still take seconds apart to build their engines and load data; with
+        K < M a round closes on the first upload plus the grace window, and an island
+        that starts later than that finds every round closed before its upload comes
+        (stale, dropped, round after round). Starting together keeps them in phase.
+        Never waits more than ``timeout_s`` (an island that failed to start does not hold
+        the others), nor at all once the others are running (a restarted island).
+        Returns the seconds waited.
+        """
+        t0 = time.monotonic()
+        if self.rank == 0 and islands > 1:
+            started, deadline = 0, t0 + timeout_s
+            while True:
+                try:
+                    started = self.client.start(self.island)
+                except (RefusedError, requests.RequestException) as e:
+                    log.warning("%s: start together: %s; starting now", self.island, e)
+                    break
+                if started >= islands:
+                    break
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "%s: %d of %d islands ready after %.0f s; starting without the rest",
+                        self.island, started, islands, timeout_s,
+                    )  # fmt: skip
+                    break
+                time.sleep(poll_s)
+        zero.island_gather([0])  # the island's ranks start with rank 0
+        return time.monotonic() - t0
+
     # ------------------------------------------------------------------ loop
     def step(self, tokens: int) -> list[int]:
         """Call after every ``engine.step()`` with the tokens this rank trained on in it.

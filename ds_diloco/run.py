@@ -142,7 +142,7 @@ class LocalRun:
             coordinator_url=self.island_urls.get(spec.name, self.url or "http://127.0.0.1:9"),
             model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
             data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
-            workdir=str(d),
+            workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
         )  # fmt: skip
         (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
         port = spec.master_port or free_port()

@@ -118,6 +118,7 @@ class CoordinatorServer:
                 web.get("/v1/model-config", self.model_config),
                 web.post("/v1/islands", self.register),
                 web.delete("/v1/islands/{island}", self.leave),
+                web.post("/v1/islands/{island}/start", self.island_start),
                 web.post("/v1/upload", self.upload),
                 web.get("/v1/fragments/{fragment}", self.download),
             ]
@@ -165,6 +166,9 @@ class CoordinatorServer:
         text = prometheus_text(await self._run(self.coord.status))
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Format": "prometheus-0.0.4"})  # fmt: skip
+
+    async def island_start(self, request):
+        return web.json_response(await self._run(self.coord.start, request.match_info["island"]))
 
     async def leave(self, request):
         return web.json_response(await self._run(self.coord.leave, request.match_info["island"]))

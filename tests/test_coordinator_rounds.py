@@ -168,6 +168,23 @@ def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config
     assert coord.status()["islands"]["c"]["registrations"] == 2
 
 
+def test_islands_start_together_counts_the_ready_and_those_already_running(
+    tiny_config_path, tmp_path
+):
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(tau=1))
+    with pytest.raises(CoordinatorError, match="unknown island 'a'") as e:
+        coord.start("a")
+    assert e.value.status == 404
+    for island in ("a", "b", "c", "d"):
+        coord.register(island, 1, coord.plan.signature)
+    assert coord.start("a")["started"] == 1
+    assert coord.start("a")["started"] == 1  # asking again (polling) counts it once
+    send(coord, "b", 0, step=2)  # "b" runs already (a restarted coordinator: no start call)
+    coord.leave("c")  # "c" came and went
+    assert coord.start("d") == {"island": "d", "started": 4, "islands": 4}
+
+
 def test_a_new_island_joins_a_running_run(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(tiny_config_path, tmp_path / "s", clock,

@@ -97,6 +97,13 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
             assert s["heldout_loss_end"] < s["heldout_loss_start"], s
 
     assert all(a == b for a, b in uploads.values()), uploads  # never half a contribution
+    # The islands took their first step together (Learner.start_together), so that K = 1
+    # rounds hold both: one launched seconds later would otherwise lag all run long.
+    started = {}
+    for name in ("a", "b"):
+        rows = (workdir / "islands" / name / "progress.jsonl").read_text().splitlines()
+        started[name] = next(r["started_at"] for r in map(json.loads, rows) if "started_at" in r)
+    assert abs(started["a"] - started["b"]) < 0.5, started
 
     # Exported while the run went on: Hugging Face folders with a model card.
     exports = sorted((workdir / "exports").glob("merges-*"))
