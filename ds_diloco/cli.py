@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run sync DiLoCo with the slow island (one more run)")  # fmt: skip
     bq.add_argument("--grace-gamma", type=float, default=None,
                     help="Decoupled DiLoCo's grace-window safety factor")  # fmt: skip
+    bq.add_argument("--wait-expected", type=float, default=None, dest="wait_expected_steps",
+                    help="Decoupled DiLoCo: policy.wait_expected_steps (inner steps)")  # fmt: skip
     bq.add_argument("--stale", default=None,
                     help="variants: Decoupled DiLoCo with these stale modes, comma-separated "
                     "(drop, next, next-sgd, async; default next; 'none': no variant)")  # fmt: skip

@@ -118,6 +118,12 @@ class CoordinatorConfig:
                 f"policy.tau ({self.policy.tau}) must be < sync_every ({self.sync_every}): "
                 "a fragment's result must be applied before the fragment is sent again"
             )
+        if self.policy.wait_expected_steps > self.sync_every - self.policy.tau - 1:
+            raise ValueError(
+                f"policy.wait_expected_steps ({self.policy.wait_expected_steps:g}) must be <= "
+                f"sync_every - tau - 1 ({self.sync_every - self.policy.tau - 1}): a result "
+                "later than that comes after its fragment is due again"
+            )
         if self.save_every_merges < 1:
             raise ValueError(f"save_every_merges must be >= 1, got {self.save_every_merges}")
         if self.max_body_mb <= 0:

@@ -730,7 +730,27 @@ class Coordinator:
             xi_step=min(steps) if steps else None,  # the fastest island must not wait
             xi_quorum=self._xi_quorum.value,
             xi_sync=self._xi_sync.value,
+            expected=self._expected(fs, now) if self.cfg.policy.wait_expected_steps else (),
         )
+
+    def _expected(self, fs: _FragmentState, now: float) -> tuple[float, ...]:
+        """When each live island not yet in ``fs``'s round should upload it: its last
+        upload of the fragment + H steps, timed from its latest step and step time."""
+        out = []
+        for name, isl in self._islands.items():
+            if name in fs.complete or not self._is_live(isl, now):
+                continue
+            if name in fs.assembling:  # some of its ranks are in: the rest are on the way
+                out.append(now)
+                continue
+            sent = isl.uploads.get((fs.fragment.index, 0))
+            pace = isl.step_time.value
+            if sent is None or not pace or isl.last_step_at is None:
+                continue  # no pace or schedule known yet: not waited for
+            at = isl.last_step_at + (sent + self.cfg.sync_every - isl.last_step) * pace
+            if at >= now - pace:  # long overdue: it skipped that send, or stalled
+                out.append(at)
+        return tuple(out)
 
     def decide(self, index: int, now: float | None = None) -> Decision:
         now = self.clock() if now is None else now

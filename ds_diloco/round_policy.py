@@ -70,6 +70,14 @@ class PolicyOptions:
     tau: int = 2
     """Inner steps between an island sending a fragment and applying its merged result."""
 
+    wait_expected_steps: float = 0.0
+    """After the grace window, keep the round open for live islands whose upload of the
+    fragment is expected (from their step times) within this many inner steps of the
+    round's first contribution; 0: never (the paper's rule). Islands that drift a few
+    steps apart then stay in each other's rounds instead of the later one's uploads
+    being dropped as stale every round; the price is a result later than tau steps for
+    the islands already in (their steps past tau on that fragment are overwritten)."""
+
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
             raise ValueError(f"PolicyOptions.min_quorum must be >= 1, got {self.min_quorum}")
@@ -82,6 +90,10 @@ class PolicyOptions:
             raise ValueError(f"PolicyOptions.max_grace_s must be >= 0, got {self.max_grace_s}")
         if self.tau < 1:
             raise ValueError(f"PolicyOptions.tau must be >= 1 inner step, got {self.tau}")
+        if not (math.isfinite(self.wait_expected_steps) and self.wait_expected_steps >= 0):
+            raise ValueError(
+                f"PolicyOptions.wait_expected_steps must be >= 0, got {self.wait_expected_steps}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +120,10 @@ class RoundState:
 
     xi_sync: float | None = None
     """EMA of one merge + publish, seconds."""
+
+    expected: tuple[float, ...] = ()
+    """When the live islands not in the round are expected to upload this fragment
+    (predicted from their last steps and step times; only ``wait_expected_steps`` uses it)."""
 
     def __post_init__(self) -> None:
         if self.live_islands < 0 or self.contributors < 0:
@@ -147,6 +163,24 @@ def grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str]:
     return grace, f"grace {grace:.3f}s = {why}"
 
 
+def expected_wait(state: RoundState, opts: PolicyOptions) -> tuple[float | None, str]:
+    """Until when the round waits for islands expected soon (None: for none), and why.
+
+    Bounded by ``wait_expected_steps`` inner steps after the first contribution: an
+    island predicted later than that is not waited for (it will be stale).
+    """
+    if opts.wait_expected_steps == 0:
+        return None, "no wait for expected islands"
+    if state.xi_step is None or state.first_arrival is None:
+        return None, "no step-time estimate yet"
+    limit = state.first_arrival + opts.wait_expected_steps * state.xi_step
+    soon = [t for t in state.expected if t <= limit]
+    window = f"{opts.wait_expected_steps:g} x step {state.xi_step:.3f}s"
+    if not soon:
+        return None, f"no live island expected within {window}"
+    return limit, f"{len(soon)} live island(s) expected within {window}"
+
+
 def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
     """Merge now, or wait (until ``wait_until``, or until the next arrival when None)."""
     c, live, k = state.contributors, state.live_islands, opts.min_quorum
@@ -165,7 +199,12 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
     deadline = quorum_at + grace
     head = f"quorum {c}/{quorum} ({k_desc}) reached, {c}/{live} live islands in"
     if now >= deadline:
-        return Decision(True, None, f"{head}; grace over: {grace_why}")
+        until, why = expected_wait(state, opts)
+        if until is not None and now < until:
+            return Decision(False, until, f"{head}; grace over, waiting {until - now:.3f}s "
+                                          f"more: {why}")  # fmt: skip
+        tail = f"; {why}" if opts.wait_expected_steps else ""
+        return Decision(True, None, f"{head}; grace over: {grace_why}{tail}")
     return Decision(
         False, deadline, f"{head}; waiting {deadline - now:.3f}s more for stragglers: {grace_why}"
     )

@@ -29,10 +29,8 @@ def make(config_path, state_dir, clock=None, **kw):
     cfg = CoordinatorConfig(
         model=ModelSource(config=config_path, seed=0),
         state_dir=str(state_dir),
-        num_fragments=2,
-        sync_every=2,
         token="t",
-        **kw,
+        **{"num_fragments": 2, "sync_every": 2, **kw},
     )
     return Coordinator(cfg, clock=clock) if clock else cfg
 
@@ -183,6 +181,39 @@ def test_islands_start_together_counts_the_ready_and_those_already_running(
     send(coord, "b", 0, step=2)  # "b" runs already (a restarted coordinator: no start call)
     coord.leave("c")  # "c" came and went
     assert coord.start("d") == {"island": "d", "started": 4, "islands": 4}
+
+
+def test_a_round_waits_for_an_island_expected_from_its_pace(tiny_config_path, tmp_path):
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1, wait_expected_steps=2)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, sync_every=4)
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    # Both step once a second, "b" 0.5 s behind "a"; fragment 0 at steps 1, 5, fragment 1 at 3.
+    for step, fragment in ((1, 0), (3, 1)):
+        send(coord, "a", fragment, step=step)
+        clock.now += 0.5
+        send(coord, "b", fragment, step=step)
+        assert coord.poll(fragment).merge  # both in
+        clock.now += 1.5
+    assert coord.versions() == [1, 1]
+    send(coord, "a", 0, step=5)  # "b" is expected 0.5 s later, within 2 steps
+    d = coord.poll(0)
+    assert not d.merge and "1 live island(s) expected within 2 x step 1.000s" in d.reason, d
+    clock.now += 0.5
+    assert send(coord, "b", 0, step=5)["status"] == "accepted"  # fresh: in the same round
+    d = coord.poll(0)
+    assert d.merge and "all 2 live islands in" in d.reason
+    clock.now += 1.5
+    send(coord, "a", 1, step=7)  # "b" stops sending: closed 2 steps after the first upload
+    assert not coord.poll(1).merge
+    clock.now += 2.0
+    assert coord.poll(1).merge
+    with pytest.raises(
+        ValueError, match=r"wait_expected_steps \(3\) must be <= sync_every - tau - 1"
+    ):
+        make(tiny_config_path, tmp_path / "t", policy=PolicyOptions(tau=1, wait_expected_steps=3),
+             sync_every=4)  # fmt: skip
 
 
 def test_a_new_island_joins_a_running_run(tiny_config_path, tmp_path):

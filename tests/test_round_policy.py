@@ -139,3 +139,20 @@ def test_ema():
         Ema(alpha=0.0)
     with pytest.raises(ValueError, match="finite"):
         e.update(float("nan"))
+
+
+def test_after_the_grace_window_the_round_waits_for_islands_expected_soon():
+    # Grace here: 0.5 x (2 x 1.0 - 0.5) = 0.75 s after the quorum at t = 10.
+    opts = PolicyOptions(grace_gamma=0.5, tau=2, wait_expected_steps=4)
+    state = _state(expected=(12.5, 30.0))  # one island 2.5 steps behind, one far behind
+    d = decide(11.0, state, opts)
+    assert not d.merge and d.wait_until == 14.0  # first arrival + 4 steps of 1 s
+    assert "1 live island(s) expected within 4 x step 1.000s" in d.reason
+    assert decide(14.0, state, opts).merge  # it did not come: closed at the bound
+    # It came (the coordinator no longer lists it): nobody else is expected soon.
+    d = decide(12.6, _state(contributors=2, quorum_at=10.0, expected=(30.0,)), opts)
+    assert d.merge and "no live island expected within 4 x step" in d.reason
+    # Off (the paper's rule, the default): the grace window alone.
+    assert decide(11.0, state, PolicyOptions(grace_gamma=0.5, tau=2)).merge
+    with pytest.raises(ValueError, match="wait_expected_steps must be >= 0"):
+        PolicyOptions(wait_expected_steps=-1)

@@ -176,6 +176,8 @@ class Setup:
     make a K = 1 round before it closes and the rest turn stale; on the tuning split (seeds
     100-102, lr 0.4, momentum 0.9) 0.5 lost 25%, 36%, 60% of the island steps (loss 6.196,
     6.280, 6.550), 0.9 lost 23%, 33%, 33% (6.270, 6.233, 6.256)."""
+    wait_expected_steps: float = 0.0
+    """Decoupled DiLoCo's ``policy.wait_expected_steps`` (0: the paper's rule)."""
     compression: str = "int4"
     """Codec of both DiLoCo runs' pseudo-gradients (the variants table tries all)."""
     block: int = 256
@@ -300,6 +302,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             min_quorum=s.islands if sync else 1,
             grace_gamma=0.0 if sync else s.grace_gamma,
             tau=s.tau,
+            wait_expected_steps=0.0 if sync else s.wait_expected_steps,
         ),
         staleness=(
             StalenessPolicy(mode="discount", discount_lambda=s.stale_lambda)
@@ -801,7 +804,7 @@ def setup_from_args(args) -> Setup:
             raise ValueError(f"--preset {args.preset} needs CUDA GPUs; none is visible")
     for field in ("steps", "islands", "ranks_per_island", "outer_lr", "sync_outer_lr",
                   "momentum", "sync_momentum", "grace_gamma", "compression", "sync_every",
-                  "num_fragments", "seeds", "workdir"):  # fmt: skip
+                  "num_fragments", "seeds", "workdir", "wait_expected_steps"):  # fmt: skip
         value = getattr(args, field, None)
         if value is not None:
             kw[field] = value

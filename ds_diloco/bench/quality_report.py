@@ -36,6 +36,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
     s, res = b.setup, b.results
     cpu = "CPU" if not s.gpus else f"{s.gpus} GPU(s)"
     seeds = len(res["zero3"])
+    wait = (
+        f"wait {s.wait_expected_steps:g} steps for expected islands, "
+        if s.wait_expected_steps
+        else ""
+    )
     lines = [
         f"{argv}",
         f"  model {Path(s.model_config).name} ({b.evaluator_params:,} parameters), "
@@ -46,7 +51,7 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         f"{s.ranks_per_island} rank(s) (every process one rank: this machine has few cores)",
         f"  outer: P = {s.num_fragments}, H = {s.sync_every}, tau = {s.tau}, token weights, "
         f"RDA (embeddings plain), stale dropped; sync: K = {s.islands}, no grace, "
-        f"{s.outer('sync')}; decoupled: K = 1, grace gamma {s.grace_gamma:g}, "
+        f"{s.outer('sync')}; decoupled: K = 1, grace gamma {s.grace_gamma:g}, {wait}"
         f"{s.outer('decoupled')}; pseudo-gradients {s.compression} (block {s.block})",
         f"  held-out: {s.eval_blocks} blocks ({s.eval_blocks * s.seq_len:,} tokens) never "
         f"trained on; outer settings tuned (--tune) on the next {s.eval_blocks} with other "
