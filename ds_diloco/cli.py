@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run sync DiLoCo with the slow island (one more run)")  # fmt: skip
     bq.add_argument("--grace-gamma", type=float, default=None,
                     help="Decoupled DiLoCo's grace-window safety factor")  # fmt: skip
+    bq.add_argument("--tau", type=int, default=None,
+                    help="both DiLoCo runs: inner steps between a send and its apply")  # fmt: skip
+    bq.add_argument("--keep-local-steps", action="store_true", default=None,
+                    help="both DiLoCo runs: train.keep_local_steps")  # fmt: skip
     bq.add_argument("--wait-expected", type=float, default=None, dest="wait_expected_steps",
                     help="Decoupled DiLoCo: policy.wait_expected_steps (inner steps)")  # fmt: skip
     bq.add_argument("--stale", default=None,

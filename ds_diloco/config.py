@@ -213,6 +213,10 @@ class TrainConfig:
     """Linear learning-rate warm-up, in inner steps."""
     blend_alpha: float = 0.0
     """Applying a merged fragment: local = alpha * local + (1 - alpha) * global (0: overwrite)."""
+    keep_local_steps: bool = False
+    """Applying a merged fragment: local = global + (local now - local at its upload), so
+    the steps trained while the result was on the way (tau or more) are kept and go into
+    the next upload, instead of being overwritten. Costs a copy of the slices in flight."""
     log_every: int = 10
     """Write a progress record every this many steps."""
     eval_every: int = 0
@@ -241,6 +245,8 @@ class TrainConfig:
             raise ValueError("train.warmup_steps and train.eval_every must be >= 0")
         if not 0.0 <= self.blend_alpha < 1.0:
             raise ValueError(f"train.blend_alpha must be in [0, 1), got {self.blend_alpha}")
+        if self.keep_local_steps and self.blend_alpha > 0:
+            raise ValueError("train.keep_local_steps and train.blend_alpha > 0 exclude each other")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

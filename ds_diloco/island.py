@@ -125,7 +125,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     else:  # joins the run: registers, checks the model, takes the global fragments
         learner = Learner(
             engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
-            alpha=cfg.train.blend_alpha,
+            alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
         )  # fmt: skip
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
     waited_s = 0.0

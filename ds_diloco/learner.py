@@ -67,6 +67,8 @@ class Learner:
         island: this island's name in the run (the same on all its ranks).
         token: the run's bearer token; default: ``$DS_DILOCO_TOKEN``.
         alpha: blend of the local values into an applied global fragment (0: overwrite).
+        keep_local_steps: on applying a merged fragment, keep the steps trained since its
+            upload (global + local now - local at the upload) instead of overwriting them.
         connect_timeout_s: how long to try reaching the coordinator before giving up.
     """
 
@@ -78,6 +80,7 @@ class Learner:
         *,
         token: str | None = None,
         alpha: float = 0.0,
+        keep_local_steps: bool = False,
         connect_timeout_s: float = 30.0,
     ):
         stage = zero_stage(engine)
@@ -88,6 +91,8 @@ class Learner:
             )
         if not 0.0 <= alpha < 1.0:
             raise LearnerError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
+        if keep_local_steps and alpha > 0.0:
+            raise LearnerError("keep_local_steps and alpha > 0 are two ways to apply: pick one")
         token = token or os.environ.get(TOKEN_ENV)
         if not token:
             raise LearnerError(f"no token: pass token= or set {TOKEN_ENV}")
@@ -111,6 +116,7 @@ class Learner:
             self.client, island, FragmentPlan.from_json(info["plan"]),
             Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
             world_size=self.world_size, rank=self.rank, alpha=alpha, agree=zero.island_gather,
+            keep_local_steps=keep_local_steps,
             codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
             align_phase=bool(info.get("align_phase", False)),
         )  # fmt: skip

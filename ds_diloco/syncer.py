@@ -101,6 +101,10 @@ class _Slot:
     sent_step: int | None = None  # step of the upload whose result we wait for
     in_flight: bool = False  # that upload is queued or was accepted: a result may come
     refetch: bool = False  # behind the island's other ranks: fetch a newer version
+    # keep_local_steps: the local values at the last upload, and the counters in it, until
+    # its result is applied (then the steps since the upload are kept; see _apply).
+    sent_values: dict[str, torch.Tensor] | None = None
+    sent_counts: tuple[int, int] = (0, 0)
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # base memory
 
     @property
@@ -149,12 +153,20 @@ class FragmentSyncer:
         agree=None,
         codec: compress.Codec | None = None,
         align_phase: bool = False,
+        keep_local_steps: bool = False,
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
+        if keep_local_steps and alpha > 0.0:
+            raise ValueError("keep_local_steps and alpha > 0 are two ways to apply: pick one")
         self.client, self.island, self.plan, self.schedule = client, island, plan, schedule
         self.access, self.world_size, self.rank = access, world_size, rank
         self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
+        # Applying a merged fragment overwrites the local values: the tau (or more) steps
+        # trained between its upload and its result are lost. keep_local_steps keeps them:
+        # local = global + (local now - local at the upload), at the cost of a copy of the
+        # slices of the fragments in flight (about tau / P of the shard).
+        self.keep_local_steps = keep_local_steps
         # agree(values) -> every rank's values, by rank (the island's all-gather); one rank
         # needs none. From the rows: versions held (min, max) and the island's tokens (sum).
         self.agree = agree or (lambda values: [values])
@@ -408,7 +420,12 @@ class FragmentSyncer:
         # this step (a download only writes a slot that waits for a result).
         with slot.lock:
             # On the host whatever device the shard lives on (the base copy is host memory).
-            delta = {n: slot.base[n] - self.access.read(n).cpu() for n in frag.names}
+            if self.keep_local_steps:
+                local = {n: self.access.read(n).to("cpu", copy=True) for n in frag.names}
+                delta = {n: slot.base[n] - local[n] for n in frag.names}
+                slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
+            else:
+                delta = {n: slot.base[n] - self.access.read(n).cpu() for n in frag.names}
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,
@@ -428,14 +445,26 @@ class FragmentSyncer:
             self._pending[frag.index] = (header, delta)
 
     def _apply(self, frag: Fragment, slot: _Slot, blend: bool) -> None:
-        """Write the fragment's global values (in ``slot.base``) into the local ones."""
+        """Write the fragment's global values (in ``slot.base``) into the local ones.
+
+        ``blend``: a result at a step boundary (not the bootstrap's overwrite): blended
+        with ``alpha``, or with ``keep_local_steps`` the steps since the upload are kept.
+        """
+        keep = blend and slot.sent_values is not None
         for name in frag.names:
             new = slot.base[name]
-            if blend and self.alpha > 0.0:
+            if keep:  # global + what this rank trained since its upload (not in any merge)
+                sent = slot.sent_values[name].to(new.device)
+                new = new + (self.access.read(name).to(new.device) - sent)
+            elif blend and self.alpha > 0.0:
                 new = self.alpha * self.access.read(name) + (1.0 - self.alpha) * new
             self.access.write(name, new)
         with self._lock:
-            slot.applied, slot.tokens, slot.steps = slot.version, 0, 0
+            # The counters follow the local values: with the steps since the upload kept,
+            # the next upload carries them.
+            tokens, steps = slot.sent_counts if keep else (slot.tokens, slot.steps)
+            slot.tokens, slot.steps = slot.tokens - tokens, slot.steps - steps
+            slot.applied, slot.sent_values, slot.sent_counts = slot.version, None, (0, 0)
             slot.sent_step, slot.in_flight = None, False
         self.stats.applied += 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import threading
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.fragments import FragmentPlan, Schedule
+from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 from ds_diloco.syncer import FragmentSyncer, ModelShardAccess
@@ -436,3 +438,40 @@ def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_con
         for s in (a, b):
             s.close()
         assert a.stats.dropped == 0 and a.phase == 0
+
+
+def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_the_way(
+    tiny_config_path, tmp_path
+):
+    """One island, outer averaging: a merged fragment is the island's values at the upload.
+    Overwriting would undo the tau steps since; keeping them, no step is ever lost."""
+    cfg = dataclasses.replace(
+        coordinator_config(tmp_path, tiny_config_path, quorum=1),
+        outer=OuterOptimConfig(name="average"),
+    )
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=0)
+        ranks = island_syncers(srv, client, "isl", model, world=2, keep_local_steps=True)
+        v0 = srv.coord.global_tensors()
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 6))) for s in ranks])
+        # Fragment 0 went at step 2 and was applied at 3, fragment 1 went at 4, applied at 5.
+        assert srv.coord.versions() == [1, 1] and all(s.versions() == [1, 1] for s in ranks)
+        params = dict(model.named_parameters())
+        for n, p in params.items():  # all 5 steps in the local values
+            assert torch.allclose(p.detach(), v0[n] - 0.05, atol=1e-6), n
+        # The counters hold the steps since each upload: 3, 4, 5 and 5.
+        assert all([(sl.steps, sl.tokens) for sl in s.slots] == [(3, 192), (1, 64)] for s in ranks)
+        sent = run_threads(*[lambda s=s: s.flush(timeout_s=30) for s in ranks])
+        assert sent == [[0, 1], [0, 1]]
+        for s in ranks:
+            s.close(timeout=5)
+        # Every step of the island is in the global model, none overwritten on the way.
+        glob = srv.coord.global_tensors()
+        assert all(torch.allclose(glob[n], v0[n] - 0.05, atol=1e-6) for n in glob)
+        assert all(torch.equal(p.detach(), glob[n]) for n, p in params.items())
+        island = srv.coord.status()["islands"]["isl"]
+        assert island["steps_merged"] == 2 + 4 + 3 + 1, island
+    with pytest.raises(ValueError, match="keep_local_steps and alpha > 0"):
+        FragmentSyncer(client, "isl", ranks[0].plan, ranks[0].schedule, ranks[0].access,
+                       alpha=0.5, keep_local_steps=True)  # fmt: skip

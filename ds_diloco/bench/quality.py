@@ -178,6 +178,8 @@ class Setup:
     6.280, 6.550), 0.9 lost 23%, 33%, 33% (6.270, 6.233, 6.256)."""
     wait_expected_steps: float = 0.0
     """Decoupled DiLoCo's ``policy.wait_expected_steps`` (0: the paper's rule)."""
+    keep_local_steps: bool = False
+    """Both DiLoCo runs' ``train.keep_local_steps`` (False: overwrite, the paper's rule)."""
     compression: str = "int4"
     """Codec of both DiLoCo runs' pseudo-gradients (the variants table tries all)."""
     block: int = 256
@@ -331,6 +333,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             eval_every=eval_every,
             eval_batches=eval_batches,
             seed=m.seed,
+            keep_local_steps=s.keep_local_steps and m.kind != "zero3",
         ),
         islands=islands,
         coordinator=coordinator,
@@ -804,7 +807,8 @@ def setup_from_args(args) -> Setup:
             raise ValueError(f"--preset {args.preset} needs CUDA GPUs; none is visible")
     for field in ("steps", "islands", "ranks_per_island", "outer_lr", "sync_outer_lr",
                   "momentum", "sync_momentum", "grace_gamma", "compression", "sync_every",
-                  "num_fragments", "seeds", "workdir", "wait_expected_steps"):  # fmt: skip
+                  "num_fragments", "seeds", "workdir", "wait_expected_steps", "tau",
+                  "keep_local_steps"):  # fmt: skip
         value = getattr(args, field, None)
         if value is not None:
             kw[field] = value

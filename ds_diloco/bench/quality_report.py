@@ -41,6 +41,7 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         if s.wait_expected_steps
         else ""
     )
+    keep = ", local steps since each upload kept" if s.keep_local_steps else ""
     lines = [
         f"{argv}",
         f"  model {Path(s.model_config).name} ({b.evaluator_params:,} parameters), "
@@ -49,7 +50,8 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         f"{s.micro_batch} x {s.seq_len}; inner AdamW lr {s.lr:g}, warm-up {s.warmup_steps}",
         f"  baseline: one ZeRO-3 job of {s.ranks} ranks; DiLoCo: M = {s.islands} islands x "
         f"{s.ranks_per_island} rank(s) (every process one rank: this machine has few cores)",
-        f"  outer: P = {s.num_fragments}, H = {s.sync_every}, tau = {s.tau}, token weights, "
+        f"  outer: P = {s.num_fragments}, H = {s.sync_every}, tau = {s.tau}{keep}, "
+        "token weights, "
         f"RDA (embeddings plain), stale dropped; sync: K = {s.islands}, no grace, "
         f"{s.outer('sync')}; decoupled: K = 1, grace gamma {s.grace_gamma:g}, {wait}"
         f"{s.outer('decoupled')}; pseudo-gradients {s.compression} (block {s.block})",
