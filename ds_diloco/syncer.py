@@ -588,14 +588,18 @@ class FragmentSyncer:
             # a fragment we are not waiting for must not wake us (that would spin).
             known = [_NEVER if w is None else w for w in wanted]
             try:  # long poll: returns at once when a fragment we wait for is newer
-                self.client.versions(self.island, known=known, wait=self.long_poll_s)
+                current = self.client.versions(self.island, known=known, wait=self.long_poll_s)
             except Exception as e:
                 self.stats.failed += 1
                 log.warning("%s/%d versions: %s", self.island, self.rank, e)
                 self._stop.wait(self.poll_s)
                 continue
+            if len(current) != len(self.slots):  # not this plan's answer: ask for every one
+                current = [_NEVER] * len(self.slots)
+            # Only what the answer says is newer: a request per fragment still waiting (an
+            # answer "not modified") would cost both sides CPU on every step.
             for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
-                if w is not None:
+                if w is not None and (w < 0 or current[frag.index] > w):
                     self._fetch(frag, slot, after=None if w < 0 else w)
 
     def _count_network_call(self) -> None:
