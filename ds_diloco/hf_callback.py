@@ -46,7 +46,10 @@ class DiLoCoCallback(TrainerCallback):
     """Makes the Trainer's DeepSpeed ZeRO-3 job an island of a ds_diloco run.
 
     Args:
-        coordinator, island, token, alpha, connect_timeout_s: as for :class:`Learner`.
+        coordinator, island, token, alpha, keep_local_steps, connect_timeout_s: as for
+            :class:`Learner`.
+        start_together: wait (at most 120 s) before the first step until this many
+            islands of the run are ready (:meth:`Learner.start_together`); 0: start at once.
         tokens_per_step: tokens one rank trains on per optimizer step, if the Trainer
             does not count them (``include_num_input_tokens_seen``, which it then
             must); the merge weights islands by these counts.
@@ -61,12 +64,15 @@ class DiLoCoCallback(TrainerCallback):
         *,
         token: str | None = None,
         alpha: float = 0.0,
+        keep_local_steps: bool = False,
         connect_timeout_s: float = 30.0,
         tokens_per_step: int | None = None,
         take_global_at_end: bool = True,
+        start_together: int = 0,
     ):
         self.coordinator, self.island, self.token = coordinator, island, token
         self.alpha, self.connect_timeout_s = alpha, connect_timeout_s
+        self.keep_local_steps, self.start_together = keep_local_steps, start_together
         self.tokens_per_step, self.take_global_at_end = tokens_per_step, take_global_at_end
         self.learner: Learner | None = None
         self.versions: list[int] | None = None  # of the global model taken at the end
@@ -87,8 +93,9 @@ class DiLoCoCallback(TrainerCallback):
         engine = _TrainerEngine(model, optimizer, state)
         self.learner = Learner(
             engine, self.coordinator, self.island, token=self.token, alpha=self.alpha,
-            connect_timeout_s=self.connect_timeout_s,
+            keep_local_steps=self.keep_local_steps, connect_timeout_s=self.connect_timeout_s,
         )  # fmt: skip
+        self.learner.start_together(self.start_together)
         self._seen_tokens = state.num_input_tokens_seen
 
     def on_step_end(self, args, state, control, **kwargs):
