@@ -477,6 +477,9 @@ def main(args) -> int:
             rate_per_min=args.rate,
         )  # fmt: skip
     workdir = Path(args.workdir or Path(cfg.workdir).with_name(Path(cfg.workdir).name + "-chaos"))
+    # Absolute: the island and coordinator files written under it resolve relative paths
+    # against their own folder (a relative --workdir nested the runs inside themselves).
+    workdir = workdir.resolve()
     report = run_chaos(cfg, schedule, workdir, reference=not args.no_reference,
                        baseline=not args.no_baseline)  # fmt: skip
     print_report(report)
