@@ -100,9 +100,10 @@ class CoordinatorClient:
         body = {"island": island, "world_size": world_size, "signature": signature}
         return self._request("POST", "/v1/islands", json=body).json()
 
-    def start(self, island: str) -> int:
-        """Say ``island`` takes its first step now; returns how many of the run's islands have."""
-        return int(self._request("POST", f"/v1/islands/{island}/start").json()["started"])
+    def start(self, island: str) -> dict:
+        """Say ``island`` takes its first step now: {"started": how many of the run's islands
+        have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
+        return self._request("POST", f"/v1/islands/{island}/start").json()
 
     def leave(self, island: str) -> dict:
         """The island leaves the run for good (a later register brings it back)."""

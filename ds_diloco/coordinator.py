@@ -263,6 +263,9 @@ class Coordinator:
         self._islands: dict[str, _Island] = {}
         self._xi_quorum = Ema()
         self._xi_sync = Ema()
+        # The rounds' clock: (schedule position of the last merged round's fragment, when
+        # that round opened); an island that starts late joins in phase (see start()).
+        self._round_clock: tuple[int, float] | None = None
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
         self._table_lock = threading.Lock()
@@ -425,13 +428,34 @@ class Coordinator:
             isl = self._islands.get(island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {island!r}: register it first")
-            isl.started, isl.last_seen = True, self.clock()
+            now = self.clock()
+            isl.started, isl.last_seen = True, now
             started = sum(
                 1
                 for i in self._islands.values()
                 if i.started or i.last_step or i.merged or i.dropped or i.left_at is not None
             )
-            return {"island": island, "started": started, "islands": len(self._islands)}
+            return {
+                "island": island,
+                "started": started,
+                "islands": len(self._islands),
+                "clock": self._clock_now(now),
+            }
+
+    def _clock_now(self, now: float) -> float | None:
+        """Where the rounds' schedule is now, in inner steps (mod H; None before any merge).
+
+        The last merged round opened with an upload of its fragment at schedule position
+        c (the island's step + phase, mod H: (fragment + 1) x H/P); the fastest island's
+        step time says how far the schedule has moved since. An island that begins
+        (or begins again, from a checkpoint) sets its phase so that its sends fall at
+        this position: with K < M, sends out of phase with the rounds would be stale.
+        """
+        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
+        if self._round_clock is None or not steps:
+            return None
+        position, at = self._round_clock
+        return (position + max(now - at, 0.0) / min(steps)) % self.cfg.sync_every
 
     def leave(self, island: str) -> dict:
         """The island leaves the run for good: it no longer counts as live for any quorum."""
@@ -820,6 +844,10 @@ class Coordinator:
         finally:
             fs.lock.release_write()
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
+        stride = self.cfg.sync_every // self.cfg.num_fragments
+        position = (fs.fragment.index + 1) * stride % self.cfg.sync_every
+        with self._lock:
+            self._round_clock = (position, fs.opened_at[version + 1])
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
         with self._lock:

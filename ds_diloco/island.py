@@ -128,9 +128,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
         )  # fmt: skip
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
-    waited_s = 0.0
-    if not plain and start_step == 0:  # a restarted island joins the running ones at once
-        waited_s = learner.start_together(cfg.start_together, cfg.start_timeout_s)
+    # Step 1 with the run's other islands; a restarted one joins the running rounds in phase.
+    waited_s = 0.0 if plain else learner.start_together(cfg.start_together, cfg.start_timeout_s)
 
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)

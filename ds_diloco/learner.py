@@ -166,17 +166,26 @@ class Learner:
         (stale, dropped, round after round). Starting together keeps them in phase.
         Never waits more than ``timeout_s`` (an island that failed to start does not hold
         the others), nor at all once the others are running (a restarted island).
+
+        An island that starts while others already train (a late one, or one restarted
+        from a checkpoint) moves its send schedule into phase with the run's rounds (the
+        coordinator says where they are): otherwise, with K < M, its sends would fall
+        between the rounds and come back stale, round after round.
         Returns the seconds waited.
         """
         t0 = time.monotonic()
-        if self.rank == 0 and islands > 1:
+        phase = 0
+        if self.rank == 0:
             started, deadline = 0, t0 + timeout_s
             while True:
                 try:
-                    started = self.client.start(self.island)
+                    reply = self.client.start(self.island)
                 except (RefusedError, requests.RequestException) as e:
                     log.warning("%s: start together: %s; starting now", self.island, e)
                     break
+                started, clock = int(reply["started"]), reply.get("clock")
+                if clock is not None:  # the next step's send lands at the rounds' next one
+                    phase = round(clock) - self._seen_step
                 if started >= islands:
                     break
                 if time.monotonic() >= deadline:
@@ -186,7 +195,11 @@ class Learner:
                     )  # fmt: skip
                     break
                 time.sleep(poll_s)
-        zero.island_gather([0])  # the island's ranks start with rank 0
+        (phase,), *_ = zero.island_gather([phase])  # every rank takes rank 0's, then starts
+        self.syncer.set_phase(phase)
+        if phase % self.syncer.schedule.sync_every:
+            log.info("%s/%d joins the rounds in phase: sends %d step(s) early", self.island,
+                     self.rank, self.syncer.phase)  # fmt: skip
         return time.monotonic() - t0
 
     # ------------------------------------------------------------------ loop

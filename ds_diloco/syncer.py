@@ -270,6 +270,13 @@ class FragmentSyncer:
         """The global version each fragment's local values started from."""
         return [s.applied for s in self.slots]
 
+    def set_phase(self, phase: int) -> None:
+        """Before the first :meth:`on_step`: send each fragment ``phase`` steps earlier
+        than the schedule says (the same on every rank), in phase with the run's rounds."""
+        if self._last_step is not None:
+            raise RuntimeError("set_phase() after training started")
+        self.phase = self.stats.phase = phase % self.schedule.sync_every
+
     def on_step(self, step: int, tokens: int) -> list[int]:
         """Call after inner step ``step`` (from 1) with this rank's tokens of that step.
 

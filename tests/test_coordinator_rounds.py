@@ -180,7 +180,24 @@ def test_islands_start_together_counts_the_ready_and_those_already_running(
     assert coord.start("a")["started"] == 1  # asking again (polling) counts it once
     send(coord, "b", 0, step=2)  # "b" runs already (a restarted coordinator: no start call)
     coord.leave("c")  # "c" came and went
-    assert coord.start("d") == {"island": "d", "started": 4, "islands": 4}
+    assert coord.start("d") == {"island": "d", "started": 4, "islands": 4, "clock": None}
+
+
+def test_start_tells_a_late_island_where_the_rounds_schedule_is(tiny_config_path, tmp_path):
+    clock = Clock()
+    # H = 4, P = 2: fragment 0 goes at schedule positions 2, 6, ..., fragment 1 at 4, 8, ...
+    policy = PolicyOptions(tau=1, grace_gamma=0.0)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, sync_every=4)
+    for island in ("a", "late"):
+        coord.register(island, 1, coord.plan.signature)
+    assert coord.start("a")["clock"] is None  # no round yet: nothing to be in phase with
+    send(coord, "a", 0, step=2)
+    clock.now += 2.0
+    send(coord, "a", 1, step=4)  # "a" steps once a second
+    assert coord.poll(1).merge  # fragment 1's round opened at t = 1002 (position 4 = 0)
+    clock.now += 1.5
+    reply = coord.start("late")
+    assert reply["clock"] == pytest.approx(1.5)  # 1.5 steps after position 0 (mod 4)
 
 
 def test_a_round_waits_for_an_island_expected_from_its_pace(tiny_config_path, tmp_path):
