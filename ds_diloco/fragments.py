@@ -330,6 +330,13 @@ class Schedule:
         """Step boundary at which the result of a send after ``send_step`` is applied."""
         return send_step + self.overlap
 
+    def join_phase(self, clock: float, last_step: int) -> int:
+        """The phase (0 <= phase < H) that puts step ``last_step + 1``, sending at schedule
+        position ``last_step + 1 + phase``, one step after the rounds' position ``clock``
+        (where their schedule is now, in steps): the island then sends each fragment when
+        the other islands do. ``due(step + phase)`` is the fragment due after ``step``."""
+        return (round(clock) - last_step) % self.sync_every
+
     def sends_between(self, a: int, b: int) -> list[tuple[int, int]]:
         """(step, fragment) for every send with a < step <= b."""
         first = (max(a, 0) // self.stride + 1) * self.stride

@@ -185,7 +185,7 @@ class Learner:
                     break
                 started, clock = int(reply["started"]), reply.get("clock")
                 if clock is not None:  # the next step's send lands at the rounds' next one
-                    phase = round(clock) - self._seen_step
+                    phase = self.syncer.schedule.join_phase(clock, self._seen_step)
                 if started >= islands:
                     break
                 if time.monotonic() >= deadline:

@@ -289,3 +289,21 @@ def test_schedule_is_keyword_only():
     with pytest.raises(TypeError):
         Schedule(8, 4, 1)  # type: ignore[misc]
     assert Schedule(sync_every=8, num_fragments=4, overlap=7).overlap == 7
+
+
+def test_join_phase_sends_with_the_rounds_after_a_restart():
+    s = Schedule(sync_every=24, num_fragments=24, overlap=2)
+    # The rounds are 5.4 steps past position 0 (fragment 23's send); this island resumes
+    # at step 60 (it would send fragment 11 after step 61): in phase it sends fragment 5,
+    # the rounds' next one, and then follows them step by step.
+    phase = s.join_phase(clock=5.4, last_step=60)
+    assert 0 <= phase < 24
+    assert (
+        [s.due(step + phase) for step in (61, 62, 63)]
+        == [s.due(6), s.due(7), s.due(8)]
+        == [5, 6, 7]
+    )
+    assert s.join_phase(clock=5.4, last_step=5) == 0  # already in phase
+    s2 = Schedule(sync_every=8, num_fragments=4, overlap=2)  # a send every 2 steps
+    phase = s2.join_phase(clock=3.2, last_step=10)
+    assert [s2.due(step + phase) for step in (11, 12)] == [s2.due(4), s2.due(5)] == [1, None]
