@@ -30,7 +30,7 @@ import torch
 
 from ds_diloco import compress, wire
 from ds_diloco.config import CoordinatorConfig
-from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
+from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.merge import (
     fragment_layout,
     merge_fragment,
@@ -266,6 +266,8 @@ class Coordinator:
         # The rounds' clock: (schedule position of the last merged round's fragment, when
         # that round opened); an island that starts late joins in phase (see start()).
         self._round_clock: tuple[int, float] | None = None
+        self.send_schedule = Schedule(sync_every=cfg.sync_every, num_fragments=cfg.num_fragments,
+                                 overlap=cfg.policy.tau)  # fmt: skip
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
         self._table_lock = threading.Lock()
@@ -451,11 +453,16 @@ class Coordinator:
         (or begins again, from a checkpoint) sets its phase so that its sends fall at
         this position: with K < M, sends out of phase with the rounds would be stale.
         """
-        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
-        if self._round_clock is None or not steps:
+        pace = self._fastest_step_s()
+        if self._round_clock is None or pace is None:
             return None
         position, at = self._round_clock
-        return (position + max(now - at, 0.0) / min(steps)) % self.cfg.sync_every
+        return (position + max(now - at, 0.0) / pace) % self.cfg.sync_every
+
+    def _fastest_step_s(self) -> float | None:
+        """The fastest island's inner step time (None before any is measured)."""
+        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
+        return min(steps) if steps else None
 
     def leave(self, island: str) -> dict:
         """The island leaves the run for good: it no longer counts as live for any quorum."""
@@ -480,11 +487,7 @@ class Coordinator:
             "plan": self.plan.to_json(),
             "signature": self.plan.signature,
             "versions": self.versions(),
-            "schedule": {
-                "sync_every": self.cfg.sync_every,
-                "num_fragments": self.cfg.num_fragments,
-                "overlap": self.cfg.policy.tau,
-            },
+            "schedule": dataclasses.asdict(self.send_schedule),
             "compression": dataclasses.asdict(self.cfg.compression),
             "align_phase": self.cfg.align_phase,
         }
@@ -745,13 +748,12 @@ class Coordinator:
         live = self._live_islands(now)
         times = sorted(c.complete_at for c in fs.complete.values())
         quorum = max(1, min(self.cfg.policy.min_quorum, live))
-        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
         return RoundState(
             live_islands=live,
             contributors=len(times),
             first_arrival=times[0] if times else None,
             quorum_at=times[quorum - 1] if len(times) >= quorum else None,
-            xi_step=min(steps) if steps else None,  # the fastest island must not wait
+            xi_step=self._fastest_step_s(),  # the fastest island must not wait
             xi_quorum=self._xi_quorum.value,
             xi_sync=self._xi_sync.value,
             expected=self._expected(fs, now) if self.cfg.policy.wait_expected_steps else (),
@@ -844,13 +846,13 @@ class Coordinator:
         finally:
             fs.lock.release_write()
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
-        stride = self.cfg.sync_every // self.cfg.num_fragments
-        position = (fs.fragment.index + 1) * stride % self.cfg.sync_every
-        with self._lock:
-            self._round_clock = (position, fs.opened_at[version + 1])
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
         with self._lock:
+            self._round_clock = (
+                self.send_schedule.position(fs.fragment.index),
+                fs.opened_at[version + 1],
+            )
             fs.merges += 1
             self._merges_since_save += 1
             self._xi_sync.update(sync)

@@ -330,6 +330,11 @@ class Schedule:
         """Step boundary at which the result of a send after ``send_step`` is applied."""
         return send_step + self.overlap
 
+    def position(self, fragment: int) -> int:
+        """Where ``fragment`` is sent in the schedule: the steps (+ phase) it is due after
+        are this, mod H (the inverse of :meth:`due`)."""
+        return (fragment + 1) * self.stride % self.sync_every
+
     def join_phase(self, clock: float, last_step: int) -> int:
         """The phase (0 <= phase < H) that puts step ``last_step + 1``, sending at schedule
         position ``last_step + 1 + phase``, one step after the rounds' position ``clock``

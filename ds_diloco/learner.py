@@ -197,7 +197,7 @@ class Learner:
                 time.sleep(poll_s)
         (phase,), *_ = zero.island_gather([phase])  # every rank takes rank 0's, then starts
         self.syncer.set_phase(phase)
-        if phase % self.syncer.schedule.sync_every:
+        if self.syncer.phase:
             log.info("%s/%d joins the rounds in phase: sends %d step(s) early", self.island,
                      self.rank, self.syncer.phase)  # fmt: skip
         return time.monotonic() - t0

@@ -427,12 +427,12 @@ class FragmentSyncer:
         # this step (a download only writes a slot that waits for a result).
         with slot.lock:
             # On the host whatever device the shard lives on (the base copy is host memory).
-            if self.keep_local_steps:
-                local = {n: self.access.read(n).to("cpu", copy=True) for n in frag.names}
-                delta = {n: slot.base[n] - local[n] for n in frag.names}
+            # keep_local_steps holds on to a copy (read() is a live view of the shard).
+            copy = self.keep_local_steps
+            local = {n: self.access.read(n).to("cpu", copy=copy) for n in frag.names}
+            delta = {n: slot.base[n] - local[n] for n in frag.names}
+            if copy:
                 slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
-            else:
-                delta = {n: slot.base[n] - self.access.read(n).cpu() for n in frag.names}
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,

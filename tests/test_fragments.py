@@ -304,6 +304,8 @@ def test_join_phase_sends_with_the_rounds_after_a_restart():
         == [5, 6, 7]
     )
     assert s.join_phase(clock=5.4, last_step=5) == 0  # already in phase
+    s8 = Schedule(sync_every=8, num_fragments=4, overlap=2)
+    assert [s8.due(s8.position(f) or 8) for f in range(4)] == [0, 1, 2, 3]  # due's inverse
     s2 = Schedule(sync_every=8, num_fragments=4, overlap=2)  # a send every 2 steps
     phase = s2.join_phase(clock=3.2, last_step=10)
     assert [s2.due(step + phase) for step in (11, 12)] == [s2.due(4), s2.due(5)] == [1, None]
