@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import faulthandler
 import hmac
 import logging
 import signal
@@ -99,6 +100,7 @@ class CoordinatorServer:
         self._kick: asyncio.Event | None = None
         self._round_task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
+        self._closing = False
         self.max_body_bytes = max_body_bytes
         self._buffers = _Buffers(keep=workers)
         self.app = web.Application(
@@ -200,7 +202,7 @@ class CoordinatorServer:
                 return any(v > k for v, k in zip(self.coord.versions(), known))
 
             deadline = asyncio.get_running_loop().time() + wait
-            while not newer():  # long poll: no traffic while nothing changes
+            while not newer() and not self._closing:  # long poll: no traffic meanwhile
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
@@ -285,7 +287,10 @@ class CoordinatorServer:
     async def _round_loop(self):
         loop = asyncio.get_running_loop()
         busy: dict[int, asyncio.Future] = {}
-        while True:
+        # Not ``while True`` + cancel(): up to Python 3.11, asyncio.wait_for swallows a
+        # cancellation that lands as its awaitable completes (a merge kicking the loop),
+        # and a SIGTERM'd coordinator merged on for as long as islands sent.
+        while not self._closing:
             # Cheap: asked on the loop (no thread hop) unless the bookkeeping lock is busy.
             plan = self.coord.schedule(wait=False)
             due, wake = plan if plan is not None else await self._run(self.coord.schedule)
@@ -322,8 +327,10 @@ class CoordinatorServer:
         return bound[0], bound[1]
 
     async def stop(self, save: bool = True) -> None:
+        self._closing = True
         if self._round_task is not None:
-            self._round_task.cancel()
+            self._kick.set()  # the loop sees _closing at once (a merge in flight ends first)
+            self._published.set()  # and the long polls answer now
             with contextlib.suppress(asyncio.CancelledError):
                 await self._round_task
         if self._runner is not None:
@@ -339,7 +346,10 @@ def build_server(cfg: CoordinatorConfig) -> CoordinatorServer:
 
 
 def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
-    """Run until SIGTERM/SIGINT, then save the state and exit (the CLI's coordinator)."""
+    """Run until SIGTERM/SIGINT, then save the state and exit (the CLI's coordinator).
+
+    SIGUSR1 prints every thread's stack to stderr (a hung shutdown or merge, live)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     async def main():
         server = build_server(cfg)

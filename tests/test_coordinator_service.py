@@ -527,3 +527,25 @@ def test_reused_upload_buffers_never_leak_into_a_merge(tiny_config_path, tmp_pat
         for p in frag.params:  # averaging: theta - merged delta, exactly
             assert torch.equal(got[p.name], theta[p.name] - delta[p.name])
         client.session.close()
+
+
+def test_stop_ends_the_round_loop_even_as_a_merge_kicks_it(tiny_config_path, tmp_path):
+    """A merge finishing as the coordinator stops: the loop's kick lands in the same turn
+    as the stop. Up to Python 3.11, asyncio.wait_for then swallows a cancel() and the
+    round loop ran on (a SIGTERM'd coordinator merged until its islands left, in CI)."""
+    import asyncio
+
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
+    server = srv.server
+
+    async def kick_and_stop():
+        server._kick.set()  # what _merge_done does
+        await server.stop(save=False)
+
+    time.sleep(0.1)  # the round loop waits on its kick
+    fut = asyncio.run_coroutine_threadsafe(kick_and_stop(), srv._loop)
+    try:
+        fut.result(timeout=10)
+    finally:
+        srv._loop.call_soon_threadsafe(srv._loop.stop)
+    assert server._round_task.done()

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -21,6 +22,16 @@ from ds_diloco.export import load_global_tensors
 from ds_diloco.run import LocalRun
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _wait_exit(proc, timeout, log_path):
+    """Wait for ``proc``; if it hangs, fail with its threads' stacks (SIGUSR1) and log."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        pytest.fail(f"{proc.args} still running after {timeout} s:\n{log_path.read_text()[-8000:]}")
 
 
 def write_run_file(tmp_path, tiny_config_path, islands, steps, **coordinator) -> Path:
@@ -156,7 +167,7 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
         assert {k: v["world_size"] for k, v in before["islands"].items()} == {"one": 1, "two": 2}
 
         os.killpg(lr.coordinator.pid, signal.SIGTERM)  # the coordinator goes away (saves) ...
-        lr.coordinator.wait(timeout=60)
+        _wait_exit(lr.coordinator, 60, lr.workdir / "coordinator.log")
         # The world-size-1 island starts first and runs faster: it may be done already.
         running = {n: step(n) for n in ("one", "two") if step(n) < STEPS_OUTAGE}
         assert "two" in running and running["two"] < STEPS_OUTAGE - 60, "the islands were too quick"
