@@ -69,5 +69,17 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     starts = [json.loads(x) for x in records if "started_at" in x]
     assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] >= 5, starts
     # It learned despite all that.
-    assert r["heldout_loss_merged"] < r["heldout_loss_initial"] - 0.3, r
+    ends = {
+        n: json.loads((tmp_path / "chaos" / "islands" / n / "summary-rank0.json").read_text())
+        for n in ("a", "b")
+    }
+    facts = {  # enough to tell a diverged optimisation from a broken merge, if it fails
+        "merged": r["heldout_loss_merged"], "initial": r["heldout_loss_initial"],
+        "island_start_end": {n: (s["heldout_loss_start"], s["heldout_loss_end"])
+                             for n, s in ends.items()},
+        "merges": r["merges"], "time_split": r["time_split"],
+        "islands": {n: {k: v[k] for k in ("merged", "dropped", "registrations")}
+                    for n, v in r["islands"].items()},
+    }  # fmt: skip
+    assert r["heldout_loss_merged"] < r["heldout_loss_initial"] - 0.3, facts
     assert r["goodput"] is not None and 0 < r["goodput"] <= 1
