@@ -475,3 +475,44 @@ def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_
     with pytest.raises(ValueError, match="keep_local_steps and alpha > 0"):
         FragmentSyncer(client, "isl", ranks[0].plan, ranks[0].schedule, ranks[0].access,
                        alpha=0.5, keep_local_steps=True)  # fmt: skip
+
+
+class _CountingClient(CoordinatorClient):
+    """A real client that also records which fragments it was asked to download."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.fetches: list[int] = []
+
+    def download_into(self, fragment, *a, **kw):
+        self.fetches.append(fragment)
+        return super().download_into(fragment, *a, **kw)
+
+
+def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
+    tiny_config_path, tmp_path
+):
+    # Quorum 2: island a's upload of fragment 0 waits for island b's. Meanwhile a's long
+    # polls (0.05 s here) keep ending with nothing newer; each used to send a download
+    # answered "not modified", which cost both sides CPU on every step.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = _CountingClient(srv.url, "t", retries=0)
+        (a,) = island_syncers(
+            srv, client, "a", model_from(tiny_config_path, 1), 1, long_poll_s=0.05
+        )
+        other = CoordinatorClient(srv.url, "t", retries=0)
+        (b,) = island_syncers(srv, other, "b", model_from(tiny_config_path, 2), 1)
+        for s in (a, b):
+            s.bootstrap()
+        assert sorted(client.fetches) == [0, 1]  # the bootstrap's
+        client.fetches.clear()
+        train(a, range(1, 3), wait_results=False)  # H/P = 2: fragment 0 is sent at step 2
+        wait_for(lambda: a.stats.uploads == 1)
+        time.sleep(1.0)  # about 20 long polls, no merge
+        assert client.fetches == [] and srv.coord.versions() == [0, 0]
+        train(b, range(1, 3), wait_results=False)  # the round closes: fragment 0 -> v1
+        wait_for(lambda: a.slots[0].arrived)
+        time.sleep(0.3)
+        assert client.fetches == [0], client.fetches
+        for s in (a, b):
+            s.close()
