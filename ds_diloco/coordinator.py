@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -834,6 +835,11 @@ class Coordinator:
             log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
         grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
+        # L2 norms (monitoring: an island whose training diverges shows here first). One
+        # counted contribution: the merge is its row, whose norm the upload checks computed.
+        norms = {c.island: math.sqrt(float(c.sq_norms.sum())) for c in contribs}
+        counted = [c for c in contribs if weights[c.row] > 0]
+        merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
         values = fs.copy_values()  # the served values stay as they are for the downloads
         fs.lock.acquire_write()
         try:
@@ -858,7 +864,6 @@ class Coordinator:
             self._xi_sync.update(sync)
             if state.quorum_at is not None and state.first_arrival is not None:
                 self._xi_quorum.update(state.quorum_at - state.first_arrival)
-            counted = [c for c in contribs if weights[c.row] > 0]
             self.metrics.merge(now_wall=time.time(), contributors=len(counted),
                                staleness=[version - c.base_version for c in counted])  # fmt: skip
             for c in counted:
@@ -874,6 +879,8 @@ class Coordinator:
                 "staleness": reasons,
                 "reason": decision.reason,
                 "seconds": sync,
+                "pseudo_gradient_norm": merged_norm,
+                "norms": norms,
             }
             if self.cfg.staleness.mode == "drop":  # what arrived during the merge is stale now
                 for table in (fs.assembling, fs.complete):

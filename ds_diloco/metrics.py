@@ -123,6 +123,10 @@ def prometheus_text(status: dict[str, Any]) -> str:
            [({"fragment": i}, status["versions"][i]) for i in frags])  # fmt: skip
     metric("fragment_merges_total", "counter", "Merges of each fragment.",
            [({"fragment": i}, status["merges"][i]) for i in frags])  # fmt: skip
+    last = status.get("last_merge", {})
+    metric("fragment_pseudo_gradient_norm", "gauge",
+           "L2 norm of the pseudo-gradient the fragment's last merge applied.",
+           [({"fragment": i}, last.get(str(i), {}).get("pseudo_gradient_norm")) for i in frags])  # fmt: skip
     isl = status["islands"]
     per_island = [
         ("island_live", "gauge", "1 if the island holds a live lease.", lambda v: int(v["live"])),

@@ -78,6 +78,7 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
         "island_start_end": {n: (s["heldout_loss_start"], s["heldout_loss_end"])
                              for n, s in ends.items()},
         "merges": r["merges"], "time_split": r["time_split"],
+        "pseudo_gradient_norms_by_second": [sorted(s["norms"].items()) for s in samples],
         "islands": {n: {k: v[k] for k in ("merged", "dropped", "registrations")}
                     for n, v in r["islands"].items()},
     }  # fmt: skip

@@ -19,7 +19,7 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, RefusedError, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.fragments import FragmentPlan
-from ds_diloco.merge import StalenessPolicy
+from ds_diloco.merge import StalenessPolicy, merge_reference
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
@@ -198,6 +198,15 @@ def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_pa
     assert client_for(server).versions() == [2, 2, 2, 2]
     merged = client_for(server).status()["last_merge"]["0"]
     assert merged["islands"] == ["a", "b", "c"] and "all 3 live islands in" in merged["reason"]
+    # The norms it reports: each island's pseudo-gradient of fragment 0, and the merged one.
+    names = server.coord.plan.fragments[0].names
+    for i in ISLANDS:
+        norm = math.sqrt(sum(float(deltas[i][n].double().pow(2).sum()) for n in names))
+        assert math.isclose(merged["norms"][i], norm, rel_tol=1e-5), i
+    ref = merge_reference([{n: deltas[i][n] for n in names} for i in ISLANDS], weights,
+                          lambda n: n in plain)  # fmt: skip
+    norm = math.sqrt(sum(float(t.pow(2).sum()) for t in ref.values()))
+    assert math.isclose(merged["pseudo_gradient_norm"], norm, rel_tol=1e-5)
 
 
 def test_sharded_uploads_equal_unsharded_uploads(tiny_config_path, tmp_path):

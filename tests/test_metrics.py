@@ -49,6 +49,7 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
         },
         "run": {"goodput": 0.75, "uptime": 1.0, "by_quorum": {1: 4, 2: 4},
                 "by_staleness": {0: 10}},
+        "last_merge": {"1": {"pseudo_gradient_norm": 0.5}},
     }  # fmt: skip
     text = prometheus_text(status)
     samples = [ln for ln in text.splitlines() if not ln.startswith("#")]
@@ -60,3 +61,5 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     assert 'ds_diloco_merges_by_quorum_total{contributors="2"} 4' in samples
     assert not any(ln.startswith('ds_diloco_island_step_seconds{island="b"}') for ln in samples)
     assert text.count("# TYPE ds_diloco_goodput gauge") == 1
+    assert 'ds_diloco_fragment_pseudo_gradient_norm{fragment="1"} 0.5' in samples
+    assert not any('pseudo_gradient_norm{fragment="0"}' in ln for ln in samples)  # no merge

@@ -132,7 +132,10 @@ class Watcher:
                     st = self.client.status()
                     self.samples.append({"t": time.monotonic() - self.t0, "islands": {
                         k: {"registrations": v["registrations"], "merged": v["merged"],
-                            "live": v["live"]} for k, v in st["islands"].items()}})  # fmt: skip
+                            "live": v["live"]} for k, v in st["islands"].items()},
+                        # per fragment, its last merge's pseudo-gradient norm (divergence)
+                        "norms": {f: m.get("pseudo_gradient_norm")
+                                  for f, m in st.get("last_merge", {}).items()}})  # fmt: skip
                     last_status = time.monotonic()
             except Exception:  # the coordinator is down or restarting: check everything after
                 self._recheck = True
