@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from ds_diloco.compress import Codec
-from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, StalenessPolicy
+from ds_diloco.merge import DEFAULT_PLAIN_PATTERNS, NormGuard, StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 
@@ -68,6 +68,8 @@ class CoordinatorConfig:
     islands use: inner steps between sending a fragment and applying its result)."""
     staleness: StalenessPolicy = dataclasses.field(default_factory=StalenessPolicy)
     """What happens to a pseudo-gradient computed against an older version."""
+    norm_guard: NormGuard = dataclasses.field(default_factory=NormGuard)
+    """Refuse pseudo-gradients far above the fragment's recent ones (off by default)."""
     align_phase: bool = False
     """Experimental, off by default: islands whose uploads come back stale move their
     send schedule earlier by as many steps as they were late (the stale reply says by

@@ -18,6 +18,7 @@ and publishes it, so downloads read them without a lock and without a copy.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -35,6 +36,7 @@ from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, par
 from ds_diloco.merge import (
     fragment_layout,
     merge_fragment,
+    norm_outlier,
     sq_norm,
     staleness_weight,
     token_weight,
@@ -218,6 +220,8 @@ class _FragmentState:
         # time): a stale upload is told how long after that it came, i.e. how much earlier
         # its island has to send to be in the same round (islands shift their send phase).
         self.opened_at: dict[int, float] = {}
+        # Per-inner-step norms of the last complete contributions it took (NormGuard).
+        self.recent_norms: collections.deque[float] = collections.deque()
 
     def publish(self, version: int, values: torch.Tensor) -> None:
         """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
@@ -606,6 +610,17 @@ class Coordinator:
             complete = len(cur.ranks) == cur.world_size
             if complete:
                 del fs.assembling[h.island]
+                per_step = math.sqrt(float(cur.sq_norms.sum())) / cur.steps
+                outlier = norm_outlier(per_step, fs.recent_norms, self.cfg.norm_guard)
+                if outlier:  # never merged: its steps are lost, as a stale upload's are
+                    fs.give_row(cur.row)
+                    isl.count_dropped(h.fragment, cur.step, cur.steps)
+                    log.warning("island %s fragment %d step %d %s", h.island, h.fragment,
+                                h.step, outlier)  # fmt: skip
+                    return self._reply("dropped", fs, outlier)
+                fs.recent_norms.append(per_step)
+                if len(fs.recent_norms) > self.cfg.norm_guard.window:
+                    fs.recent_norms.popleft()
                 cur.complete_at = now
                 old = fs.complete.pop(h.island, None)
                 if old is not None:  # the island's newer pseudo-gradient replaces its older one

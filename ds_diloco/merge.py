@@ -65,6 +65,47 @@ class StalenessPolicy:
             )
 
 
+@dataclass(frozen=True)
+class NormGuard:
+    """Refuse a pseudo-gradient far larger than the fragment's recent ones (off by default).
+
+    An island whose inner training diverges sends finite but huge pseudo-gradients; with
+    K = 1 one of them is the whole outer step. Compared per inner step (a contribution
+    covering more steps is larger), against the median of the fragment's last ``window``
+    accepted contributions, once ``min_history`` of them are known.
+    """
+
+    max_ratio: float = 0.0
+    """Refuse above this many times the recent median per-step norm; 0: off (the paper)."""
+
+    window: int = 32
+    min_history: int = 8
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_ratio) and (self.max_ratio == 0 or self.max_ratio > 1)):
+            raise ValueError(f"NormGuard.max_ratio must be 0 (off) or > 1, got {self.max_ratio}")
+        if self.window < 1 or not 1 <= self.min_history <= self.window:
+            raise ValueError(
+                f"NormGuard needs window >= 1 and 1 <= min_history <= window, got "
+                f"window {self.window}, min_history {self.min_history}"
+            )
+
+
+def norm_outlier(norm_per_step: float, recent: Sequence[float], guard: NormGuard) -> str:
+    """Why a contribution of this per-step norm is refused ("" when it is not)."""
+    if guard.max_ratio == 0 or len(recent) < guard.min_history:
+        return ""
+    ordered = sorted(recent)
+    median = ordered[len(ordered) // 2]
+    if median > 0 and norm_per_step > guard.max_ratio * median:
+        return (
+            f"dropped: pseudo-gradient norm {norm_per_step:.4g} per inner step is "
+            f"{norm_per_step / median:.1f}x the fragment's recent median {median:.4g} "
+            f"(norm_guard.max_ratio {guard.max_ratio:g}): a diverging island?"
+        )
+    return ""
+
+
 def staleness_weight(weight: float, staleness: int, policy: StalenessPolicy) -> tuple[float, str]:
     """Weight of a contribution ``staleness`` versions behind, and why."""
     if staleness < 0:

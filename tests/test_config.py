@@ -277,6 +277,8 @@ def test_run_file_errors_name_the_problem(tmp_path):
         ({"coordinator": {"num_fragment": 3}}, "coordinator.num_fragment"),
         ({"train": {"steps": 0}}, "train.steps"),
         ({"data": {"path": "t", "seq_len": 1}}, "data.seq_len"),
+        ({"coordinator": {"norm_guard": {"max_ratio": 0.5}}}, "NormGuard.max_ratio"),
+        ({"coordinator": {"norm_guard": {"max_ratio": 5, "min_history": 40}}}, "min_history"),
     ):
         path.write_text(json.dumps({**base, **bad}))
         with pytest.raises(ValueError, match=message):

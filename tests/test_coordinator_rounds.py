@@ -13,6 +13,7 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
+from ds_diloco.merge import NormGuard
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 
@@ -485,3 +486,32 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
     assert len(fs.spare) == 1
     a, b, c = merge(), merge(), merge()
     assert a != b and c == a  # steady state: two buffers take turns, no new ones
+
+
+def test_norm_guard_drops_a_pseudo_gradient_far_above_the_fragments_recent_ones(
+    tiny_config_path, tmp_path
+):
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    guard = NormGuard(max_ratio=10.0, window=8, min_history=4)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, norm_guard=guard)
+    coord.register("a", 1, coord.plan.signature)
+    for i in range(4):  # the history: four ordinary contributions, each merged
+        assert send(coord, "a", 0, step=2 + 2 * i, scale=1e-3)["status"] == "accepted"
+        assert coord.poll(0).merge
+    before, versions = coord.global_tensors(), coord.versions()
+    reply = send(coord, "a", 0, step=20, scale=1.0)  # 1000x: an island diverging
+    assert reply["status"] == "dropped" and "norm_guard.max_ratio 10" in reply["reason"], reply
+    assert not coord.poll(0).merge and coord.versions() == versions
+    assert all(torch.equal(before[n], t) for n, t in coord.global_tensors().items())
+    assert coord.status()["islands"]["a"]["dropped"] == 1
+    # Covering 3 x the steps at 3 x the size: the same per step, taken.
+    assert send(coord, "a", 0, step=22, scale=3e-3, steps=6)["status"] == "accepted"
+    assert coord.poll(0).merge
+    # Off by default (the paper): the same 1000x contribution is merged.
+    plain = make(tiny_config_path, tmp_path / "p", clock, policy=policy)
+    plain.register("a", 1, plain.plan.signature)
+    for i in range(4):
+        send(plain, "a", 0, step=2 + 2 * i)
+        plain.poll(0)
+    assert send(plain, "a", 0, step=20, scale=1.0)["status"] == "accepted"
