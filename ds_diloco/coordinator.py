@@ -111,6 +111,10 @@ class _Contribution:
     def counters(self) -> tuple[int, int, int, int]:
         return (self.world_size, self.base_version, self.tokens, self.steps)
 
+    def norm(self) -> float:
+        """L2 norm of the pseudo-gradient (over the ranks' slices received so far)."""
+        return math.sqrt(float(self.sq_norms.sum()))
+
 
 @dataclasses.dataclass
 class _Island:
@@ -200,7 +204,9 @@ class _Served:
 
 
 class _FragmentState:
-    def __init__(self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns):
+    def __init__(
+        self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns, norm_window
+    ):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.optimizer = optimizer
@@ -221,7 +227,7 @@ class _FragmentState:
         # its island has to send to be in the same round (islands shift their send phase).
         self.opened_at: dict[int, float] = {}
         # Per-inner-step norms of the last complete contributions it took (NormGuard).
-        self.recent_norms: collections.deque[float] = collections.deque()
+        self.recent_norms: collections.deque[float] = collections.deque(maxlen=norm_window)
 
     def publish(self, version: int, values: torch.Tensor) -> None:
         """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
@@ -302,7 +308,9 @@ class Coordinator:
 
     def _new_fragment_state(self, frag: Fragment, values: torch.Tensor) -> _FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
-        return _FragmentState(frag, values, opt, self.cfg.plain_patterns)
+        return _FragmentState(
+            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window
+        )
 
     def _load(self) -> None:
         state = self.store.read_json("coordinator.json")
@@ -610,7 +618,7 @@ class Coordinator:
             complete = len(cur.ranks) == cur.world_size
             if complete:
                 del fs.assembling[h.island]
-                per_step = math.sqrt(float(cur.sq_norms.sum())) / cur.steps
+                per_step = cur.norm() / cur.steps
                 outlier = norm_outlier(per_step, fs.recent_norms, self.cfg.norm_guard)
                 if outlier:  # never merged: its steps are lost, as a stale upload's are
                     fs.give_row(cur.row)
@@ -618,9 +626,7 @@ class Coordinator:
                     log.warning("island %s fragment %d step %d %s", h.island, h.fragment,
                                 h.step, outlier)  # fmt: skip
                     return self._reply("dropped", fs, outlier)
-                fs.recent_norms.append(per_step)
-                if len(fs.recent_norms) > self.cfg.norm_guard.window:
-                    fs.recent_norms.popleft()
+                fs.recent_norms.append(per_step)  # the window's oldest falls out
                 cur.complete_at = now
                 old = fs.complete.pop(h.island, None)
                 if old is not None:  # the island's newer pseudo-gradient replaces its older one
@@ -852,7 +858,7 @@ class Coordinator:
         grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
         # L2 norms (monitoring: an island whose training diverges shows here first). One
         # counted contribution: the merge is its row, whose norm the upload checks computed.
-        norms = {c.island: math.sqrt(float(c.sq_norms.sum())) for c in contribs}
+        norms = {c.island: c.norm() for c in contribs}
         counted = [c for c in contribs if weights[c.row] > 0]
         merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
         values = fs.copy_values()  # the served values stay as they are for the downloads

@@ -92,7 +92,7 @@ def test_decoupled_diloco_learns_and_stays_near_the_zero3_baseline(tmp_path, tin
     # at step 28) once more unless its result came only at step 30. A send is skipped when
     # the fragment's last result came so late that it was applied only at that step, and
     # superseded when the uploader had not taken it yet as the fragment came due again (a
-    # loaded machine: 5 of 15 in one CI-like run).
+    # loaded run counted 7 sent + 3 skipped of 15 before superseded sends were counted).
     # Their steps are those since the island last applied the fragment (summed over the
     # P = 2 fragments: at most 2 x 30). The islands waited for their last contributions:
     # every one sent ended merged or dropped.
