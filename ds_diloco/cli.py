@@ -185,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "one island of 2 ranks, coordinator as in launch/demo.yaml")  # fmt: skip
     bi.add_argument("--steps", type=int, default=None,
                     help="inner steps per launch (default: 60, or the run file's)")  # fmt: skip
-    bi.add_argument("--repeats", type=int, default=3, help="launches per mode, alternated")
+    bi.add_argument("--repeats", type=int, default=3, help="timed launches per mode, alternated")
+    bi.add_argument("--memory-repeats", type=int, default=1, metavar="N",
+                    help="memory launches per mode after the timed ones, with an allocator "
+                    "whose resident memory follows live memory (default 1; 0: none)")  # fmt: skip
     bi.add_argument("--coordinator-nice", type=int, default=10, metavar="N",
                     help="the coordinator's nice offset on this machine, standing in for its "
                     "own host (default 10; 0: the ranks' priority)")  # fmt: skip

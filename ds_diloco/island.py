@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import statistics
 import time
@@ -106,6 +107,15 @@ class _NoSync:
         pass
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory now, MiB (None without /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
     rank, world = zero.init_distributed()
@@ -144,6 +154,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         progress.flush()
     sync_s, sync_max_s, step_s = 0.0, 0.0, 0.0
     step_times = []  # whole steps, sync included: what the benchmark compares
+    setup_rss_mb, step_rss_mb = _rss_mb(), []  # where a rank's memory goes (bench island)
     slow = _FaultHook(workdir, rank)
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
@@ -163,6 +174,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         sync_s += t2 - t1
         sync_max_s = max(sync_max_s, t2 - t1)
         step_times.append(t2 - t0)
+        step_rss_mb.append(_rss_mb())
         record = None
         if step % t.log_every == 0 or step == t.steps:
             record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
@@ -195,6 +207,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "step_s_median": statistics.median(step_times),
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
+        "step_rss_mb": step_rss_mb,  # after each step
         "peak_gpu_mb": (
             round(torch.cuda.max_memory_allocated() / 2**20, 1)
             if engine.device.type == "cuda"

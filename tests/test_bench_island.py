@@ -68,19 +68,24 @@ def tiny_run(tmp_path, tiny_config_path) -> RunConfig:
 
 def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_config_path):
     cfg = tiny_run(tmp_path, tiny_config_path)
-    bench = run_bench(cfg, repeats=1, warmup=2, workdir=tmp_path / "bench")
+    bench = run_bench(cfg, repeats=1, warmup=2, workdir=tmp_path / "bench", memory_repeats=1)
 
-    assert [x.mode for x in bench.launches] == ["plain", "ds_diloco"]
+    assert [(x.mode, x.exact_memory) for x in bench.launches] == [
+        ("plain", False), ("ds_diloco", False), ("plain", True), ("ds_diloco", True),
+    ]  # fmt: skip
     for x in bench.launches:
         assert len(x.ranks) == 2 and [r["rank"] for r in x.ranks] == [0, 1]
         for r in x.ranks:
             assert r["steps"] == STEPS and len(r["step_times_s"]) == STEPS, r
             assert all(_positive_finite(t) for t in r["step_times_s"]), r["step_times_s"]
             assert _positive_finite(r["peak_rss_mb"]) and _positive_finite(r["shard_fp32_mb"]), r
+            assert _positive_finite(r["setup_rss_mb"]) and len(r["step_rss_mb"]) == STEPS, r
+            assert all(_positive_finite(m) for m in r["step_rss_mb"]), r["step_rss_mb"]
+            assert max(r["setup_rss_mb"], *r["step_rss_mb"]) <= r["peak_rss_mb"] + 1, r
         assert _positive_finite(x.island_step_s) and _positive_finite(x.launch_s)
         assert _positive_finite(x.island_cpu_s)
 
-    plain, ds = bench.launches
+    plain, ds = bench.of("plain")[0], bench.of("ds_diloco")[0]
     # The baseline really is plain ZeRO-3: no syncer, no coordinator.
     assert all(
         r["plain"] is True and r["stats"] is None and r["versions"] == [] for r in plain.ranks
@@ -111,16 +116,42 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         rows[0].plain.peak_rss_mb + rows[1].plain.peak_rss_mb
     )
 
+    # The memory launches: rows from them alone, the verdict given on them.
+    mem = bench.memory_rows()
+    assert [m.name for m in mem] == ["rank 0", "rank 1", "island"]
+    assert mem[-1].ds_diloco.peak_rss_mb == pytest.approx(
+        sum(
+            x.ranks[0]["peak_rss_mb"] + x.ranks[1]["peak_rss_mb"]
+            for x in bench.memory_of("ds_diloco")
+        )
+    )
+    assert mem[-1].shard_fp32_mb == rows[-1].shard_fp32_mb
+    for m in mem:
+        assert math.isfinite(m.extra_mb()) and m.met == (m.extra_mb() <= m.shard_fp32_mb)
+
     report = format_report(bench, cfg)
     assert report.count("ratio") >= 3 and "coordinator process" in report
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in report and "extra before the first step" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
-    assert len(summary["launches"]) == 2 and len(summary["rows"]) == 3
+    assert len(summary["launches"]) == 4 and len(summary["rows"]) == 3
+    assert len(summary["memory_rows"]) == 3 and summary["settings"]["memory_repeats"] == 1
+
+
+def test_rss_reading_follows_an_allocation():
+    import torch
+
+    from ds_diloco.island import _rss_mb
+
+    before = _rss_mb()
+    x = torch.ones(16 * 2**20)  # 64 MiB, written: resident
+    assert _rss_mb() - before > 60, (before, _rss_mb())
+    del x
 
 
 def test_cli_parses_bench_island_flags():
     args = cli.build_parser().parse_args(["bench", "island", "--steps", "7", "--json", "x.json"])
     got = (args.what, args.steps, args.repeats, args.run, args.json, args.coordinator_nice)
-    assert got == ("island", 7, 3, None, "x.json", 10)
+    assert got == ("island", 7, 3, None, "x.json", 10) and args.memory_repeats == 1
     args = cli.build_parser().parse_args(["bench", "coordinator", "--repeats", "2"])
     assert (args.what, args.repeats, args.fragment_mb) == ("coordinator", 2, 64.0)
 
@@ -149,5 +180,7 @@ def test_cli_refuses_bad_counts_in_one_line(capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert cli.main(["bench", "island", "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--memory-repeats must be >= 0"):
+        run_bench(default_run_config(), repeats=1, memory_repeats=-1)
     with pytest.raises(ValueError, match=r"--coordinator-nice must be in 0\.\.19"):
         run_bench(default_run_config(), repeats=1, coordinator_nice=20)

@@ -21,6 +21,16 @@ are compared:
 - peak RSS ds_diloco - plain, goal: at most one fp32 copy of the rank's own
   shard (island-wide: of all the island's shards, i.e. one fp32 model).
 
+Memory is judged on launches of their own (``memory_repeats``, after the timed
+ones), run with ``EXACT_MEMORY_ENV``: with glibc's default, a rank's peak RSS
+moves by 20-60 MB between launches of the same plain job (freed tensors stay
+resident for reuse, by timing), far more than a small model's shard; with the
+allocator's mmap threshold fixed, it is the peak of the live memory, the same
+within 1-2 MB from launch to launch. Those launches also give each rank's
+resident memory before the first step (the syncer's base copy is in it) and
+after every step (what the sends and applies hold), so the extra can be told
+apart: the base copy, and what is in flight.
+
 Where the overhead goes: the syncer's work inside the step (``sync_s``), of it
 the ranks' agreement collective (``stats.agree_s``), the training part's
 slowdown, and the CPU time the coordinator process used during the job (read
@@ -72,6 +82,14 @@ DEFAULT_STEPS = 60
 COORDINATOR_NICE = 10
 """The coordinator's nice offset here (see the module docstring): it stands in for a host of its own."""
 MODES = ("plain", "ds_diloco")
+EXACT_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc: every allocation of 128 KiB or more is a mapping of its own, returned to the
+system when freed. By default the threshold adapts upwards (to 32 MiB) and freed
+blocks stay resident in the heap for reuse, so a rank's peak RSS (about 900 MB here)
+varies by 20-60 MB between launches of the same job: more than the fp32 shard the
+memory goal is about. With the threshold fixed, peak RSS is the peak of the live
+memory, within 1-2 MB from launch to launch; steps are slower (page faults), so these
+launches are for memory only."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -136,6 +154,8 @@ class Launch:
     """CPU seconds (user + system) of the launcher and the ranks, the whole launch."""
     coordinator_cpu_s: float | None = None
     """CPU seconds (user + system) the coordinator used while the island ran."""
+    exact_memory: bool = False
+    """A memory launch (``EXACT_MEMORY_ENV``): its memory figures count, not its times."""
 
     def step_times(self, rank: int) -> list[float]:
         """Step times after warm-up: of one rank, or (``rank`` -1) per step the slowest rank's."""
@@ -164,6 +184,7 @@ class Launch:
             "coordinator_versions": self.coordinator_versions,
             "island_cpu_s": self.island_cpu_s,
             "coordinator_cpu_s": self.coordinator_cpu_s,
+            "exact_memory": self.exact_memory,
             "ranks": self.ranks,
         }
 
@@ -214,8 +235,13 @@ def launch(
     warmup: int = WARMUP_STEPS,
     timeout_s: float | None = None,
     coordinator_nice: int = 0,
+    exact_memory: bool = False,
 ) -> Launch:
-    """Run ``cfg``'s first island once in ``mode`` (``plain`` or ``ds_diloco``), fresh."""
+    """Run ``cfg``'s first island once in ``mode`` (``plain`` or ``ds_diloco``), fresh.
+
+    ``exact_memory``: the ranks run with ``EXACT_MEMORY_ENV`` (their resident memory
+    follows their live memory; for the memory figures, not the timing).
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     plain = mode == "plain"
@@ -226,6 +252,8 @@ def launch(
         coordinator=dataclasses.replace(cfg.coordinator, state_dir=str(workdir / "state")),
     )
     lr = LocalRun(cfg)
+    if exact_memory:
+        lr.env.update(EXACT_MEMORY_ENV)
     timeout_s = timeout_s or 300 + 10 * cfg.train.steps
     try:
         if not plain:  # plain: no coordinator, never contacted
@@ -272,6 +300,7 @@ def launch(
         island_cpu_s=island_cpu_s,
         coordinator_versions=versions,
         coordinator_cpu_s=cpu_s,
+        exact_memory=exact_memory,
     )
 
 
@@ -340,6 +369,50 @@ class Row:
 
 
 @dataclasses.dataclass
+class MemorySide:
+    """One mode's resident memory in the memory launches, MiB (medians over launches)."""
+
+    peak_rss_mb: float
+    setup_rss_mb: float
+    """Before the first step: engine, data and (ds_diloco) the syncer with its base copy."""
+    step_rss_mb: float
+    """After a step (median over the steps after warm-up)."""
+
+
+@dataclasses.dataclass
+class MemoryRow:
+    """A rank (``rank`` >= 0) or the island (-1): peak memory, plain against ds_diloco."""
+
+    rank: int
+    plain: MemorySide
+    ds_diloco: MemorySide
+    shard_fp32_mb: float
+
+    @property
+    def name(self) -> str:
+        return "island" if self.rank < 0 else f"rank {self.rank}"
+
+    def extra_mb(self, key: str = "peak_rss_mb") -> float:
+        return getattr(self.ds_diloco, key) - getattr(self.plain, key)
+
+    @property
+    def met(self) -> bool:
+        return self.extra_mb() <= self.shard_fp32_mb
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "plain": dataclasses.asdict(self.plain),
+            "ds_diloco": dataclasses.asdict(self.ds_diloco),
+            "shard_fp32_mb": self.shard_fp32_mb,
+            "extra_mb": self.extra_mb(),
+            "setup_extra_mb": self.extra_mb("setup_rss_mb"),
+            "step_extra_mb": self.extra_mb("step_rss_mb"),
+            "met": self.met,
+        }
+
+
+@dataclasses.dataclass
 class IslandBench:
     """Every launch, in the order run, and the comparison rows they give."""
 
@@ -350,7 +423,44 @@ class IslandBench:
     coordinator_nice: int = 0
 
     def of(self, mode: str) -> list[Launch]:
-        return [x for x in self.launches if x.mode == mode]
+        """The timed launches of ``mode``."""
+        return [x for x in self.launches if x.mode == mode and not x.exact_memory]
+
+    def memory_of(self, mode: str) -> list[Launch]:
+        """The memory launches of ``mode`` (``EXACT_MEMORY_ENV``)."""
+        return [x for x in self.launches if x.mode == mode and x.exact_memory]
+
+    def _memory_side(self, mode: str, rank: int) -> MemorySide:
+        runs = self.memory_of(mode)
+        ranks = (lambda x: x.ranks) if rank < 0 else (lambda x: [x.ranks[rank]])
+
+        def med(key: str, pick=lambda v: v) -> float:
+            return statistics.median(sum(pick(r[key]) for r in ranks(x)) for x in runs)
+
+        def steady(values: list[float]) -> float:  # after warm-up, per step
+            return statistics.median(values[self.warmup :] or values)
+
+        return MemorySide(
+            peak_rss_mb=med("peak_rss_mb"),
+            setup_rss_mb=med("setup_rss_mb"),
+            step_rss_mb=med("step_rss_mb", steady),
+        )
+
+    def memory_rows(self) -> list[MemoryRow]:
+        """Rank by rank and the island, from the memory launches ([] if none ran)."""
+        if not self.memory_of("plain") or not self.memory_of("ds_diloco"):
+            return []
+        first = self.memory_of("ds_diloco")[0].ranks
+        shard = [r["shard_fp32_mb"] for r in first]
+        return [
+            MemoryRow(
+                rank=r,
+                plain=self._memory_side("plain", r),
+                ds_diloco=self._memory_side("ds_diloco", r),
+                shard_fp32_mb=sum(shard) if r < 0 else shard[r],
+            )
+            for r in [*range(self.world_size), -1]
+        ]
 
     def _side(self, mode: str, rank: int) -> Side:
         runs = self.of(mode)
@@ -424,10 +534,14 @@ def run_bench(
     workdir: Path | None = None,
     echo=None,
     coordinator_nice: int = COORDINATOR_NICE,
+    memory_repeats: int = 1,
 ) -> IslandBench:
-    """``repeats`` rounds of (plain, ds_diloco) launches of ``cfg``'s first island."""
+    """``repeats`` rounds of (plain, ds_diloco) timed launches of ``cfg``'s first island,
+    then ``memory_repeats`` rounds of memory launches (``EXACT_MEMORY_ENV``)."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if memory_repeats < 0:
+        raise ValueError(f"--memory-repeats must be >= 0, got {memory_repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if not 0 <= coordinator_nice <= 19:
@@ -438,11 +552,12 @@ def run_bench(
     root = Path(tempfile.mkdtemp(prefix="ds-diloco-bench-island-")) if own else Path(workdir)
     launches = []
     try:
-        for r in range(repeats):
+        rounds = [(r, False) for r in range(repeats)] + [(r, True) for r in range(memory_repeats)]
+        for r, exact in rounds:
             for mode in MODES:
                 x = launch(
-                    cfg, mode, root / f"{r}-{mode}", repeat=r, warmup=warmup,
-                    coordinator_nice=coordinator_nice,
+                    cfg, mode, root / f"{r}-{mode}{'-memory' if exact else ''}", repeat=r,
+                    warmup=warmup, coordinator_nice=coordinator_nice, exact_memory=exact,
                 )  # fmt: skip
                 launches.append(x)
                 if echo:
@@ -486,10 +601,50 @@ def _launch_line(x: Launch) -> str:
         v = x.coordinator_versions or [0]
         cpu = "?" if x.coordinator_cpu_s is None else f"{x.coordinator_cpu_s:.1f} s"
         extra = f"  coordinator versions {min(v)}..{max(v)}, cpu {cpu}"
+    if x.exact_memory:
+        extra += "  (memory launch)"
     return (
         f"  [{x.repeat + 1}] {x.mode:9s} island step {_ms(x.island_step_s)}  ({ranks})  "
         f"launch {x.launch_s:.1f} s{extra}"
     )
+
+
+def _memory_lines(bench: IslandBench, rows: list[Row], plain: tuple, ds: tuple) -> list[str]:
+    goal = "goal ds_diloco - plain <= one fp32 copy of the own shard"
+    lines = []
+    mem = bench.memory_rows()
+    if mem:
+        env = " ".join(f"{k}={v}" for k, v in EXACT_MEMORY_ENV.items())
+        n = len(bench.memory_of("plain"))
+        lines.append(
+            f"peak host memory (ru_maxrss; island = sum over ranks; {n} memory launch(es) per "
+            f"mode with {env}, so that resident memory follows live memory), {goal}:"
+        )
+        for m in mem:
+            lines.append(
+                f"    {m.name:7s} plain {m.plain.peak_rss_mb:.1f} MB  ds_diloco "
+                f"{m.ds_diloco.peak_rss_mb:.1f} MB  extra {m.extra_mb():+.1f} MB  vs shard fp32 "
+                f"{m.shard_fp32_mb:.1f} MB  ({'met' if m.met else 'MISSED'}); extra before "
+                f"the first step {m.extra_mb('setup_rss_mb'):+.1f} MB, after a step "
+                f"{m.extra_mb('step_rss_mb'):+.1f} MB"
+            )
+        lines.append(
+            "  with the default allocator (the timed launches; no verdict: see the spread):"
+        )
+    else:
+        lines.append(f"peak host memory (ru_maxrss; island = sum over ranks), {goal}:")
+    for row in rows:
+        verdict = "" if mem else f"  ({'met' if row.rss_met else 'MISSED'})"
+        lines.append(
+            f"    {row.name:7s} plain {row.plain.peak_rss_mb:.1f} MB  ds_diloco "
+            f"{row.ds_diloco.peak_rss_mb:.1f} MB  extra {row.rss_extra_mb:+.1f} MB  vs shard "
+            f"fp32 {row.shard_fp32_mb:.1f} MB{verdict}"
+        )
+    lines.append(
+        f"    (island peak RSS over launches: plain {plain[2]:.0f}..{plain[3]:.0f} MB, "
+        f"ds_diloco {ds[2]:.0f}..{ds[3]:.0f} MB)"
+    )
+    return lines
 
 
 def format_report(bench: IslandBench, cfg: RunConfig) -> str:
@@ -523,20 +678,7 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
         f"    (island step over launches: plain {_ms(plain[0])}..{_ms(plain[1])}, ds_diloco "
         f"{_ms(ds[0])}..{_ms(ds[1])})"
     )
-    lines.append(
-        "peak host memory (ru_maxrss; island = sum over ranks), goal ds_diloco - plain <= one "
-        "fp32 copy of the own shard:"
-    )
-    for row in rows:
-        lines.append(
-            f"    {row.name:7s} plain {row.plain.peak_rss_mb:.1f} MB  ds_diloco "
-            f"{row.ds_diloco.peak_rss_mb:.1f} MB  extra {row.rss_extra_mb:+.1f} MB  vs shard "
-            f"fp32 {row.shard_fp32_mb:.1f} MB  ({'met' if row.rss_met else 'MISSED'})"
-        )
-    lines.append(
-        f"    (island peak RSS over launches: plain {plain[2]:.0f}..{plain[3]:.0f} MB, "
-        f"ds_diloco {ds[2]:.0f}..{ds[3]:.0f} MB)"
-    )
+    lines.extend(_memory_lines(bench, rows, plain, ds))
     lines.append(
         "where the overhead goes (means per step over all steps, warm-up included; medians "
         "over launches):"
@@ -587,10 +729,13 @@ def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
             "steps": bench.steps,
             "warmup": bench.warmup,
             "repeats": len(bench.of("plain")),
+            "memory_repeats": len(bench.memory_of("plain")),
+            "exact_memory_env": EXACT_MEMORY_ENV,
             "cpu_count": os.cpu_count(),
             "coordinator_nice": bench.coordinator_nice,
         },
         "rows": [r.to_json() for r in bench.rows()],
+        "memory_rows": [m.to_json() for m in bench.memory_rows()],
         "coordinator_cpu_s": bench.coordinator_cpu_s,
         "island_cpu_s": {m: bench.island_cpu_s(m) for m in MODES},
         "launches": [x.to_json() for x in bench.launches],
@@ -616,13 +761,14 @@ def main(args) -> int:
     else:
         cfg = default_run_config(args.steps or DEFAULT_STEPS)
     print(
-        f"bench island: {args.repeats} x (plain, ds_diloco) launches of "
-        f"{cfg.train.steps} steps ...",
+        f"bench island: {args.repeats} x (plain, ds_diloco) timed launches and "
+        f"{getattr(args, 'memory_repeats', 1)} x memory launches of {cfg.train.steps} steps ...",
         flush=True,
     )
     bench = run_bench(
         cfg, args.repeats, echo=lambda line: print(line, flush=True),
         coordinator_nice=getattr(args, "coordinator_nice", COORDINATOR_NICE),
+        memory_repeats=getattr(args, "memory_repeats", 1),
     )  # fmt: skip
     print(format_report(bench, cfg), flush=True)
     if args.json:
