@@ -555,6 +555,9 @@ class FragmentSyncer:
                     slot = self.slots[index]
                     if slot.sent_step == header.step:
                         slot.in_flight = False
+            # Not held while waiting for the next upload: the training thread's next send
+            # would then hold two fragments' pseudo-gradients at once (memory goal).
+            del delta
             self._uploads.task_done()
 
     def _wanted(self) -> list[int | None]:

@@ -7,6 +7,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -516,3 +517,25 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
         assert client.fetches == [0], client.fetches
         for s in (a, b):
             s.close()
+
+
+def test_a_sent_pseudo_gradient_is_not_kept_once_uploaded(tiny_config_path, tmp_path):
+    # The memory goal allows one fp32 copy of the shard (the base) besides what is in
+    # flight. The uploader used to keep its last pseudo-gradient bound while it waited
+    # for the next one: the next send then held two fragments' worth at once.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
+        refs, upload = [], s._upload
+
+        def spy(header, delta):
+            refs.extend(weakref.ref(t) for t in delta.values())
+            return upload(header, delta)
+
+        s._upload = spy  # the uploader thread looks it up per upload
+        s.bootstrap()
+        train(s, range(1, 3), wait_results=False)  # fragment 0 is sent at step 2
+        wait_for(lambda: s.stats.uploads == 1)
+        assert refs, "the upload went around the spy"
+        wait_for(lambda: all(r() is None for r in refs), timeout=5.0)
+        s.close()
