@@ -1,16 +1,31 @@
 """HTTP client of the coordinator's wire API, used by islands, tests and benchmarks.
 
-Connection failures are retried with bounded exponential backoff and logged;
-a 4xx is the coordinator refusing the request and is raised at once as
-:class:`RefusedError` with the coordinator's message.
+Plain ``http.client`` over one keep-alive connection per thread (the syncer's
+upload and download threads each hold their own): a request costs about a
+sixth of the CPU ``requests`` took (0.12 against 0.70 ms for a version poll,
+0.7 against 1.8 ms for a 1 MiB download, measured on 2 CPU cores), and a
+download is read straight into its tensors (urllib3 read each chunk into a new
+bytes object first). Proxy variables are not read: the coordinator is reached
+directly, as cluster traffic is.
+
+Connection failures are retried with bounded exponential backoff and logged
+(a keep-alive connection the coordinator closed while idle is reopened at
+once, not counted); a timeout waiting for an answer is raised as
+``TimeoutError``; a 4xx is the coordinator refusing the request and is raised
+at once as :class:`RefusedError` with the coordinator's message; a 5xx as
+:class:`CoordinatorError`. ``TRANSPORT_ERRORS`` is every failure of the
+transport itself.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import threading
 import time
+from urllib.parse import urlencode, urlsplit
 
-import requests
 import torch
 
 from ds_diloco import wire
@@ -29,6 +44,36 @@ class RefusedError(RuntimeError):
         self.message = message
 
 
+class CoordinatorError(RuntimeError):
+    """The coordinator answered 5xx: it failed on a request that may have been right."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException, CoordinatorError)
+"""Failures to get an answer (unreachable, reset, timed out, a broken answer, a 5xx)."""
+
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+"""How a keep-alive connection that the server closed while idle fails on its next use."""
+
+
+class Reply:
+    """A whole answer: status, headers, body."""
+
+    def __init__(self, status: int, headers: http.client.HTTPMessage, body: bytes):
+        self.status_code, self.headers, self.content = status, headers, body
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -41,36 +86,107 @@ class CoordinatorClient:
         max_backoff_s: float = 5.0,
     ):
         self.url = url.rstrip("/")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"coordinator URL must be http(s)://HOST[:PORT], got {url!r}")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._prefix = parts.path
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._local = threading.local()  # this thread's connection
+        self._conns: list[http.client.HTTPConnection] = []  # every thread's, for close()
+        self._conns_lock = threading.Lock()
 
-    def _request(self, method: str, path: str, **kw) -> requests.Response:
+    # ------------------------------------------------------------ transport
+    def _conn(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = self._local.conn = cls(self._host, self._port, timeout=self.timeout_s)
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def close(self) -> None:
+        """Close every thread's connection (a later request opens a new one)."""
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+
+    def _open(
+        self, method: str, path: str, params: dict | None = None, body=None, content_type=None
+    ) -> http.client.HTTPResponse:
+        """Send a request and return its response, body unread; raises on 4xx and 5xx.
+
+        ``body``: bytes, or a :class:`wire.Body` sent part by part from the tensors' memory.
+        """
+        target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
+        headers = dict(self._headers)
+        if content_type:
+            headers["Content-Type"] = content_type
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
+            conn = self._conn()
+            reused = conn.sock is not None
+            connected = reused
             try:
-                r = self.session.request(method, self.url + path, timeout=self.timeout_s, **kw)
-            except requests.ConnectionError as e:
-                if attempt == self.retries:
+                if not reused:
+                    conn.connect()  # a connect that times out is retried like a refused one
+                    connected = True
+                self._send(conn, method, target, headers, body)
+                r = conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if connected and isinstance(e, TimeoutError):
+                    raise  # no answer in time: the request may be in progress, not retried
+                if reused and isinstance(e, _STALE):
+                    continue  # closed by the coordinator while idle: reopen, not a failure
+                if attempt >= self.retries:
                     raise
-                log.warning(
-                    "%s %s failed (%s); retry %d in %.1fs", method, path, e, attempt + 1, delay
-                )
+                attempt += 1
+                log.warning("%s %s failed (%s); retry %d in %.1fs", method, path, e, attempt, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
                 continue
-            if 400 <= r.status_code < 500:
+            if r.status >= 400:
+                data = r.read()
                 try:
-                    msg = r.json().get("error", r.text)
-                except ValueError:
-                    msg = r.text
-                raise RefusedError(r.status_code, msg)
-            r.raise_for_status()
+                    msg = json.loads(data).get("error", data.decode("utf-8", "replace"))
+                except (ValueError, AttributeError):
+                    msg = data.decode("utf-8", "replace")
+                raise (RefusedError if r.status < 500 else CoordinatorError)(r.status, msg)
             return r
-        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _send(conn, method: str, target: str, headers: dict, body) -> None:
+        if isinstance(body, wire.Body):
+            conn.putrequest(method, target)
+            for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            for part in body.parts:
+                conn.send(part)
+        else:
+            conn.request(method, target, body=body, headers=headers)
+
+    def _request(self, method: str, path: str, params: dict | None = None, body=None,
+                 content_type=None) -> Reply:  # fmt: skip
+        r = self._open(method, path, params, body, content_type)
+        try:
+            data = r.read()
+        except BaseException:
+            self._conn().close()  # half-read: the connection cannot be reused
+            raise
+        return Reply(r.status, r.headers, data)
+
+    def _post_json(self, path: str, obj=None) -> Reply:
+        body = b"" if obj is None else json.dumps(obj).encode()
+        return self._request("POST", path, body=body, content_type="application/json")
 
     def health(self) -> dict:
         return self._request("GET", "/healthz").json()
@@ -98,12 +214,12 @@ class CoordinatorClient:
 
     def register(self, island: str, world_size: int, signature: str) -> dict:
         body = {"island": island, "world_size": world_size, "signature": signature}
-        return self._request("POST", "/v1/islands", json=body).json()
+        return self._post_json("/v1/islands", body).json()
 
     def start(self, island: str) -> dict:
         """Say ``island`` takes its first step now: {"started": how many of the run's islands
         have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
-        return self._request("POST", f"/v1/islands/{island}/start").json()
+        return self._post_json(f"/v1/islands/{island}/start").json()
 
     def leave(self, island: str) -> dict:
         """The island leaves the run for good (a later register brings it back)."""
@@ -117,8 +233,9 @@ class CoordinatorClient:
         return self.upload_body(wire.upload_parts(header, slices))
 
     def upload_body(self, body: bytes | wire.Body) -> dict:
-        headers = {"Content-Type": "application/octet-stream"}
-        return self._request("POST", "/v1/upload", data=body, headers=headers).json()
+        return self._request(
+            "POST", "/v1/upload", body=body, content_type="application/octet-stream"
+        ).json()
 
     def download(
         self,
@@ -166,15 +283,19 @@ class CoordinatorClient:
             params["after"] = after
         if island:
             params["island"] = island
-        with self._request("GET", f"/v1/fragments/{fragment}", params=params, stream=True) as r:
-            if r.status_code == 304:
+        r = self._open("GET", f"/v1/fragments/{fragment}", params=params)
+        try:
+            if r.status == 304:
+                r.read()
                 return None
             try:
                 length = int(r.headers["Content-Length"])
             except (KeyError, ValueError):
                 raise wire.WireError("download without a Content-Length") from None
-            r.raw.decode_content = False
-            header, _ = wire.read_fragment_into(r.raw, length, dest)
+            header, _ = wire.read_fragment_into(_Whole(r), length, dest)
+        except BaseException:
+            self._conn().close()  # half-read: the connection cannot be reused
+            raise
         if header.fragment != fragment or header.world_size != world_size or header.rank != rank:
             raise wire.WireError(
                 f"download answered {header}, asked for fragment {fragment} "
@@ -183,6 +304,23 @@ class CoordinatorClient:
         if int(r.headers.get(wire.VERSION_HEADER, header.version)) != header.version:
             raise wire.WireError("download: version header and body disagree")
         return header.version
+
+
+class _Whole:
+    """A response read to its Content-Length: ending before it is a broken connection
+    (``http.client`` returns 0 bytes there), a transport failure, not a malformed body."""
+
+    def __init__(self, r: http.client.HTTPResponse):
+        self.r = r
+
+    def readinto(self, b) -> int:
+        n = self.r.readinto(b)
+        if n == 0 and len(b):
+            raise http.client.IncompleteRead(b"", len(b))
+        return n
+
+    def read(self, n: int) -> bytes:
+        return self.r.read(n)
 
 
 def rank_slices(

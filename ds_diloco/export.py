@@ -153,9 +153,7 @@ def _from_state_dir(root: Path) -> GlobalModel:
 
 
 def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel:
-    import requests
-
-    from ds_diloco.client import CoordinatorClient, RefusedError
+    from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, CoordinatorError, RefusedError
 
     if not token:
         raise ValueError(
@@ -167,7 +165,7 @@ def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel
         plan = FragmentPlan.from_json(info["plan"])
         try:
             config = client.model_config()
-        except requests.HTTPError as e:
+        except CoordinatorError as e:
             raise ValueError(
                 f"coordinator {url} could not serve its model config ({e}): its state "
                 "directory may lack model/config.json"
@@ -195,7 +193,9 @@ def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel
     except RefusedError as e:
         hint = f": check --token or ${TOKEN_ENV}" if e.status == 401 else ""
         raise ValueError(f"coordinator {url} refused the export ({e}){hint}") from None
-    except requests.ConnectionError as e:
+    except CoordinatorError as e:
+        raise ValueError(f"coordinator {url} failed during the export: {e}") from None
+    except TRANSPORT_ERRORS as e:
         raise ValueError(f"cannot reach the coordinator at {url}: {e}") from None
     versions = [held[f.index][0] for f in plan.fragments]
     tensors = {n: t for f in plan.fragments for n, t in held[f.index][1].items()}

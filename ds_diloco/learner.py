@@ -30,11 +30,10 @@ import logging
 import os
 import time
 
-import requests
 import torch.distributed as dist
 
 from ds_diloco import zero
-from ds_diloco.client import CoordinatorClient, RefusedError
+from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
 from ds_diloco.compress import Codec
 from ds_diloco.config import TOKEN_ENV
 from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
@@ -131,7 +130,7 @@ class Learner:
         while True:
             try:
                 return probe.plan()
-            except (requests.ConnectionError, requests.Timeout) as e:
+            except TRANSPORT_ERRORS as e:
                 if time.monotonic() >= deadline:
                     raise LearnerError(
                         f"island {self.island!r}: coordinator {probe.url} not reachable "
@@ -146,7 +145,7 @@ class Learner:
             result = fn()
         except RefusedError as e:
             error = LearnerError(f"island {self.island!r}: the coordinator refused: {e.message}")
-        except (LearnerError, requests.RequestException) as e:
+        except (LearnerError, *TRANSPORT_ERRORS) as e:
             error = e if isinstance(e, LearnerError) else LearnerError(f"{self.island!r}: {e}")
         rows = zero.island_gather([0 if error is None else 1])
         if error is not None:
@@ -180,7 +179,7 @@ class Learner:
             while True:
                 try:
                     reply = self.client.start(self.island)
-                except (RefusedError, requests.RequestException) as e:
+                except (RefusedError, *TRANSPORT_ERRORS) as e:
                     log.warning("%s: start together: %s; starting now", self.island, e)
                     break
                 started, clock = int(reply["started"]), reply.get("clock")

@@ -501,6 +501,7 @@ class FragmentSyncer:
                     problem = f"{bad[0]}: NaN or Inf" if bad else None
             except (RefusedError, wire.WireError) as e:
                 version, problem = None, str(e)
+                torn = isinstance(e, wire.WireError)  # a refusal comes before any byte
             except Exception as e:  # unreachable: try again later
                 self.stats.failed += 1
                 log.warning(

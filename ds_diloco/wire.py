@@ -126,8 +126,8 @@ def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
 class Body:
     """An encoded message as its parts: the header, then views of the tensors' memory.
 
-    ``requests`` sends it without joining the parts (``len`` gives Content-Length,
-    iteration the parts, once per attempt), so an upload costs no copy of the
+    The client sends it without joining the parts (``len`` gives Content-Length,
+    then each part is sent from its memory, once per attempt), so an upload costs no copy of the
     tensors; ``bytes(body)`` joins them where one buffer is needed.
     """
 

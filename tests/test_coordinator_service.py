@@ -535,7 +535,7 @@ def test_reused_upload_buffers_never_leak_into_a_merge(tiny_config_path, tmp_pat
         got = srv.coord.global_tensors()
         for p in frag.params:  # averaging: theta - merged delta, exactly
             assert torch.equal(got[p.name], theta[p.name] - delta[p.name])
-        client.session.close()
+        client.close()
 
 
 def test_stop_ends_the_round_loop_even_as_a_merge_kicks_it(tiny_config_path, tmp_path):

@@ -142,8 +142,9 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
 class _CorruptingProxy:
     """Forwards to the coordinator; spoils the first ``bad`` fragment downloads that carry data.
 
-    ``how``: "nan" puts a NaN into the last value; "truncate" sends the headers of the
-    whole body, then half of it, and closes the connection. After a spoiled one, fragment
+    ``how``: "nan" puts a NaN into the last value; "header" spoils the body's header
+    length; "truncate" sends the headers of the whole body, then half of it, and closes
+    the connection. After a spoiled one, fragment
     downloads answer 503 while ``hold`` is set.
     """
 
@@ -178,6 +179,8 @@ class _CorruptingProxy:
                     data = bytearray(data)
                     if how == "nan":
                         data[-4:] = struct.pack("<f", float("nan"))
+                    elif how == "header":  # a header length past the body: malformed
+                        data[:8] = struct.pack("<Q", len(data))
                 self.send_response(r.status_code)
                 for k, v in r.headers.items():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
@@ -204,7 +207,7 @@ class _CorruptingProxy:
         self.server.shutdown()
 
 
-@pytest.mark.parametrize("how", ["nan", "truncate"])
+@pytest.mark.parametrize("how", ["nan", "header", "truncate"])
 def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, tmp_path, how):
     cfg = CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
@@ -227,10 +230,11 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, 
                 p.sub_(0.01)
         s.on_step(1, tokens=64)  # fragment 0 sent; its merged result comes back spoiled first
         wait_for(lambda: srv.coord.versions()[0] == 1)
-        # A NaN is a bad answer; a body cut short, a failed download: both tear the base.
-        counted = "bad_responses" if how == "nan" else "failed"
+        # A NaN or a malformed body is a bad answer; a body cut short, a failed download
+        # (the connection broke): both tear the base.
+        counted = "failed" if how == "truncate" else "bad_responses"
         wait_for(lambda: getattr(s.stats, counted) >= 1)
-        assert proxy.spoiled == 1 and (s.stats.bad_responses == (how == "nan"))
+        assert proxy.spoiled == 1 and (s.stats.bad_responses == (how != "truncate"))
         # While it cannot fetch again, the torn base is never used: not applied at step 2,
         # and fragment 0's next send (step 3) is skipped rather than sent against it.
         assert s.on_step(2, tokens=64) == []

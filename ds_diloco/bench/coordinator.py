@@ -418,12 +418,12 @@ def _time_uploads(srv: ServerThread, repeats: int, seed: int) -> UploadRun:
     finally:
         sock.close()
         sink.close()
-        client.session.close()  # an open keep-alive connection would hold up the server's stop
+        client.close()  # an open keep-alive connection would hold up the server's stop
     bad = [r for r in replies if r.get("status") != "accepted"]
     if bad:
         raise RuntimeError(f"the coordinator did not accept every upload: {bad[:2]}")
     nbytes = len(payload)
-    http_label = "HTTP upload (requests -> aiohttp -> Coordinator.upload)"
+    http_label = "HTTP upload (http.client -> aiohttp -> Coordinator.upload)"
     comparison = Comparison(
         name="upload",
         measured=Timing(http_label, nbytes, times["http"]["total"]),
@@ -593,7 +593,7 @@ def _time_rounds(
         v1 = clients[0].versions()[0]
     finally:
         for c in clients:
-            c.session.close()  # an open keep-alive connection would hold up the server's stop
+            c.close()  # an open keep-alive connection would hold up the server's stop
     return RoundCpuRun(frag.nbytes, world_size, rounds, cpu, wall, (v0, v1))
 
 

@@ -281,7 +281,7 @@ def launch(
             cpu1 = _cpu_seconds(lr.coordinator.pid)  # before stopping: it saves on SIGTERM
             cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
             versions = client.status()["versions"]
-            client.session.close()
+            client.close()
         paths = [d / f"summary-rank{r}.json" for r in range(spec.world_size)]
         if proc.returncode != 0 or not all(p.exists() for p in paths):
             raise RuntimeError(

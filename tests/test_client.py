@@ -1,0 +1,223 @@
+"""The coordinator client's transport against small real HTTP servers (sockets, threads).
+
+What the islands count on: a keep-alive connection the server closed while idle
+is reopened without a failure; unreachable is retried with backoff and then
+raised; no answer in time is raised at once (the request may be in progress); a
+4xx is a refusal and a 5xx a coordinator failure, each with the server's message;
+every thread has its own connection; a download cut short is a broken transport,
+not a malformed body.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from ds_diloco import wire
+from ds_diloco.client import (
+    TRANSPORT_ERRORS,
+    CoordinatorClient,
+    CoordinatorError,
+    RefusedError,
+)
+
+
+class _Server:
+    """An HTTP/1.1 server whose handler is ``respond(handler) -> (status, body)``.
+
+    ``close_after`` closes each connection after its answer without saying so (no
+    ``Connection: close``), as a server does when an idle keep-alive times out.
+    """
+
+    def __init__(self, respond, close_after: bool = False, delay_s: float = 0.0):
+        self.connections = 0
+        self.paths: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def setup(self):
+                super().setup()
+                server.connections += 1
+
+            def _answer(self):
+                n = int(self.headers.get("Content-Length", 0))
+                self.body = self.rfile.read(n) if n else b""
+                server.paths.append(self.path)
+                time.sleep(delay_s)
+                status, data = respond(self)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                if close_after:
+                    self.close_connection = True
+
+            do_GET = do_POST = _answer
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _ok(handler):
+    return 200, json.dumps({"versions": [1, 2]}).encode()
+
+
+def test_one_kept_alive_connection_carries_a_threads_requests():
+    srv = _Server(_ok)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=0)
+        assert [c.versions() for _ in range(5)] == [[1, 2]] * 5
+        assert srv.connections == 1
+        c.close()
+        assert c.versions() == [1, 2] and srv.connections == 2  # reopened after close()
+    finally:
+        srv.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_reopened_without_a_failure(caplog):
+    srv = _Server(_ok, close_after=True)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=0)  # no retries: a failure would raise
+        for _ in range(4):
+            assert c.versions() == [1, 2]
+            time.sleep(0.05)  # the server has closed its end by now
+        assert srv.connections == 4
+        assert "retry" not in caplog.text
+    finally:
+        srv.close()
+
+
+def test_threads_use_their_own_connections():
+    srv = _Server(_ok, delay_s=0.2)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=0)
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(c.versions())) for _ in range(3)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out == [[1, 2]] * 3 and srv.connections == 3
+        assert time.perf_counter() - t0 < 0.5  # in parallel, not one after the other
+    finally:
+        srv.close()
+
+
+def test_refusals_and_failures_carry_the_servers_message():
+    answers = {"/v1/plan": (401, b'{"error": "bad token"}'), "/v1/status": (503, b"overloaded")}
+    srv = _Server(lambda h: answers[h.path])
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=3)
+        with pytest.raises(RefusedError, match="401: bad token") as e:
+            c.plan()
+        assert e.value.status == 401
+        with pytest.raises(CoordinatorError, match="503: overloaded"):
+            c.status()
+        assert srv.paths == ["/v1/plan", "/v1/status"]  # answered: neither is retried
+        assert srv.connections == 1  # and the connection stays usable
+    finally:
+        srv.close()
+
+
+def test_unreachable_is_retried_with_backoff_then_raised(caplog):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = CoordinatorClient(f"http://127.0.0.1:{port}", "t", retries=2, backoff_s=0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(ConnectionRefusedError):
+        c.health()
+    assert time.perf_counter() - t0 >= 0.05 + 0.1  # two waits, doubling
+    assert caplog.text.count("retry") == 2
+    assert issubclass(ConnectionRefusedError, TRANSPORT_ERRORS)
+
+
+def test_no_answer_in_time_is_raised_at_once_not_retried():
+    srv = _Server(_ok, delay_s=1.0)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=3, timeout_s=0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            c.versions()
+        assert time.perf_counter() - t0 < 0.9 and srv.paths == ["/v1/versions"]
+    finally:
+        srv.close()
+
+
+def test_the_token_and_the_json_body_are_sent():
+    seen = {}
+
+    def respond(h):
+        seen.update(auth=h.headers["Authorization"], type=h.headers["Content-Type"], body=h.body)
+        return 200, b'{"ok": true}'
+
+    srv = _Server(respond)
+    try:
+        CoordinatorClient(srv.url, "s3cret", retries=0).register("isl", 2, "abc")
+        assert seen["auth"] == "Bearer s3cret" and seen["type"] == "application/json"
+        assert json.loads(seen["body"]) == {"island": "isl", "world_size": 2, "signature": "abc"}
+    finally:
+        srv.close()
+
+
+def _fragment_body() -> tuple[bytes, dict[str, torch.Tensor]]:
+    header = wire.FragmentHeader(fragment=0, version=3, world_size=1, rank=0)
+    slices = {"w": torch.arange(1000, dtype=torch.float32)}
+    return bytes(wire.fragment_parts(header, slices)), slices
+
+
+def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_failure():
+    body, slices = _fragment_body()
+    cut = {"on": False}
+
+    class Cut(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header(wire.VERSION_HEADER, "3")
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2] if cut["on"] else body)
+            self.close_connection = cut["on"]
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cut)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        c = CoordinatorClient(f"http://127.0.0.1:{httpd.server_address[1]}", "t", retries=0)
+        dest = {"w": torch.zeros(1000)}
+        assert c.download_into(0, 1, 0, dest) == 3 and torch.equal(dest["w"], slices["w"])
+        cut["on"] = True
+        with pytest.raises(http.client.IncompleteRead):
+            c.download_into(0, 1, 0, {"w": torch.zeros(1000)})
+        cut["on"] = False
+        assert c.download_into(0, 1, 0, dest) == 3  # a new connection, not the broken one
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_bad_url_is_refused_with_its_name():
+    with pytest.raises(ValueError, match="ftp://x"):
+        CoordinatorClient("ftp://x", "t")
