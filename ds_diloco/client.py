@@ -19,6 +19,7 @@ transport itself.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -35,22 +36,19 @@ from ds_diloco.sharding import shard_range
 log = logging.getLogger(__name__)
 
 
-class RefusedError(RuntimeError):
+class _StatusError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class RefusedError(_StatusError):
     """The coordinator answered 4xx: the request was wrong and changed nothing."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
 
-
-class CoordinatorError(RuntimeError):
+class CoordinatorError(_StatusError):
     """The coordinator answered 5xx: it failed on a request that may have been right."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
 
 
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException, CoordinatorError)
@@ -174,14 +172,20 @@ class CoordinatorClient:
         else:
             conn.request(method, target, body=body, headers=headers)
 
+    @contextlib.contextmanager
+    def _reading(self):
+        """Around reading a response: on any error the connection, half-read, is closed."""
+        try:
+            yield
+        except BaseException:
+            self._conn().close()
+            raise
+
     def _request(self, method: str, path: str, params: dict | None = None, body=None,
                  content_type=None) -> Reply:  # fmt: skip
         r = self._open(method, path, params, body, content_type)
-        try:
+        with self._reading():
             data = r.read()
-        except BaseException:
-            self._conn().close()  # half-read: the connection cannot be reused
-            raise
         return Reply(r.status, r.headers, data)
 
     def _post_json(self, path: str, obj=None) -> Reply:
@@ -246,22 +250,12 @@ class CoordinatorClient:
         island: str | None = None,
     ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(version, slices) of this rank's part of a fragment; None if not newer than ``after``."""
-        params = {"world_size": world_size, "rank": rank}
-        if after is not None:
-            params["after"] = after
-        if island:
-            params["island"] = island
+        params = _fragment_query(world_size, rank, after, island)
         r = self._request("GET", f"/v1/fragments/{fragment}", params=params)
         if r.status_code == 304:
             return None
         header, slices = wire.decode_fragment(r.content)
-        if header.fragment != fragment or header.world_size != world_size or header.rank != rank:
-            raise wire.WireError(
-                f"download answered {header}, asked for fragment {fragment} "
-                f"rank {rank}/{world_size}"
-            )
-        if int(r.headers.get(wire.VERSION_HEADER, header.version)) != header.version:
-            raise wire.WireError("download: version header and body disagree")
+        _check_fragment(header, r.headers, fragment, world_size, rank)
         return header.version, slices
 
     def download_into(
@@ -278,13 +272,9 @@ class CoordinatorClient:
         Returns the version, or None if not newer than ``after``. On an error ``dest``
         may hold part of the body: the caller must not use it.
         """
-        params = {"world_size": world_size, "rank": rank}
-        if after is not None:
-            params["after"] = after
-        if island:
-            params["island"] = island
+        params = _fragment_query(world_size, rank, after, island)
         r = self._open("GET", f"/v1/fragments/{fragment}", params=params)
-        try:
+        with self._reading():
             if r.status == 304:
                 r.read()
                 return None
@@ -293,17 +283,27 @@ class CoordinatorClient:
             except (KeyError, ValueError):
                 raise wire.WireError("download without a Content-Length") from None
             header, _ = wire.read_fragment_into(_Whole(r), length, dest)
-        except BaseException:
-            self._conn().close()  # half-read: the connection cannot be reused
-            raise
-        if header.fragment != fragment or header.world_size != world_size or header.rank != rank:
-            raise wire.WireError(
-                f"download answered {header}, asked for fragment {fragment} "
-                f"rank {rank}/{world_size}"
-            )
-        if int(r.headers.get(wire.VERSION_HEADER, header.version)) != header.version:
-            raise wire.WireError("download: version header and body disagree")
+        _check_fragment(header, r.headers, fragment, world_size, rank)
         return header.version
+
+
+def _fragment_query(world_size: int, rank: int, after: int | None, island: str | None) -> dict:
+    params = {"world_size": world_size, "rank": rank}
+    if after is not None:
+        params["after"] = after
+    if island:
+        params["island"] = island
+    return params
+
+
+def _check_fragment(header, headers, fragment: int, world_size: int, rank: int) -> None:
+    """A download's header must be the fragment and rank asked for, at the version it says."""
+    if header.fragment != fragment or header.world_size != world_size or header.rank != rank:
+        raise wire.WireError(
+            f"download answered {header}, asked for fragment {fragment} rank {rank}/{world_size}"
+        )
+    if int(headers.get(wire.VERSION_HEADER, header.version)) != header.version:
+        raise wire.WireError("download: version header and body disagree")
 
 
 class _Whole:

@@ -126,9 +126,9 @@ def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
 class Body:
     """An encoded message as its parts: the header, then views of the tensors' memory.
 
-    The client sends it without joining the parts (``len`` gives Content-Length,
-    then each part is sent from its memory, once per attempt), so an upload costs no copy of the
-    tensors; ``bytes(body)`` joins them where one buffer is needed.
+    The client sends it without joining the parts (``len`` gives Content-Length, then
+    each part goes from its memory, once per attempt), so an upload costs no copy of
+    the tensors; ``bytes(body)`` joins them where one buffer is needed.
     """
 
     def __init__(self, parts: list):
@@ -137,9 +137,6 @@ class Body:
 
     def __len__(self) -> int:
         return self.nbytes
-
-    def __iter__(self):
-        return iter(self.parts)
 
     def __bytes__(self) -> bytes:
         return b"".join(self.parts)

@@ -157,6 +157,10 @@ class Launch:
     exact_memory: bool = False
     """A memory launch (``EXACT_MEMORY_ENV``): its memory figures count, not its times."""
 
+    def summaries(self, rank: int) -> list[dict]:
+        """One rank's summary, or (``rank`` -1) every rank's."""
+        return self.ranks if rank < 0 else [self.ranks[rank]]
+
     def step_times(self, rank: int) -> list[float]:
         """Step times after warm-up: of one rank, or (``rank`` -1) per step the slowest rank's."""
         if rank < 0:  # the ranks meet in every step's collectives: the slowest sets the pace
@@ -432,10 +436,9 @@ class IslandBench:
 
     def _memory_side(self, mode: str, rank: int) -> MemorySide:
         runs = self.memory_of(mode)
-        ranks = (lambda x: x.ranks) if rank < 0 else (lambda x: [x.ranks[rank]])
 
         def med(key: str, pick=lambda v: v) -> float:
-            return statistics.median(sum(pick(r[key]) for r in ranks(x)) for x in runs)
+            return statistics.median(sum(pick(r[key]) for r in x.summaries(rank)) for x in runs)
 
         def steady(values: list[float]) -> float:  # after warm-up, per step
             return statistics.median(values[self.warmup :] or values)
@@ -464,7 +467,7 @@ class IslandBench:
 
     def _side(self, mode: str, rank: int) -> Side:
         runs = self.of(mode)
-        ranks = (lambda x: x.ranks) if rank < 0 else (lambda x: [x.ranks[rank]])
+        ranks = lambda x: x.summaries(rank)  # noqa: E731
 
         def med(f) -> float:
             return statistics.median(f(x) for x in runs)
@@ -609,7 +612,8 @@ def _launch_line(x: Launch) -> str:
     )
 
 
-def _memory_lines(bench: IslandBench, rows: list[Row], plain: tuple, ds: tuple) -> list[str]:
+def _memory_lines(bench: IslandBench, rows: list[Row]) -> list[str]:
+    plain, ds = bench.spread("plain"), bench.spread("ds_diloco")
     goal = "goal ds_diloco - plain <= one fp32 copy of the own shard"
     lines = []
     mem = bench.memory_rows()
@@ -678,7 +682,7 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
         f"    (island step over launches: plain {_ms(plain[0])}..{_ms(plain[1])}, ds_diloco "
         f"{_ms(ds[0])}..{_ms(ds[1])})"
     )
-    lines.extend(_memory_lines(bench, rows, plain, ds))
+    lines.extend(_memory_lines(bench, rows))
     lines.append(
         "where the overhead goes (means per step over all steps, warm-up included; medians "
         "over launches):"
