@@ -208,6 +208,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "step_rss_mb": step_rss_mb,  # after each step
         "peak_gpu_mb": (
             round(torch.cuda.max_memory_allocated() / 2**20, 1)

@@ -82,6 +82,9 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
             assert _positive_finite(r["setup_rss_mb"]) and len(r["step_rss_mb"]) == STEPS, r
             assert all(_positive_finite(m) for m in r["step_rss_mb"]), r["step_rss_mb"]
             assert max(r["setup_rss_mb"], *r["step_rss_mb"]) <= r["peak_rss_mb"] + 1, r
+            # the memory launches' ranks really ran with the allocator setting, the others not
+            want = "131072" if x.exact_memory else os.environ.get("MALLOC_MMAP_THRESHOLD_")
+            assert r["malloc_env"].get("MALLOC_MMAP_THRESHOLD_") == want, r["malloc_env"]
         assert _positive_finite(x.island_step_s) and _positive_finite(x.launch_s)
         assert _positive_finite(x.island_cpu_s)
 
