@@ -176,6 +176,20 @@ def test_no_restart_time_puts_data_parallel_within_3_points_at_both_600k_and_2_4
     assert errors[600_000] > 3.0 and errors[2_400_000] < -3.0, errors
 
 
+def test_a_fixed_global_batch_shortens_steps_and_the_work_a_failure_loses():
+    # Strong scaling: at 16x the chips of the reference a step takes 1/16 of step_s, so
+    # a failure loses 16x less work in flight; at the reference size nothing changes.
+    # (Free checkpoints: a checkpoint's stall does not shrink with the step.)
+    run = {"chips": 2_400_000, "days": 1.0, "systems": ("dp", "elastic"), "checkpoint_s": 0.0}
+    weak, strong = SimConfig(**run), SimConfig(**run, fixed_batch_chips=150_000)
+    assert strong.chip_step_s == pytest.approx(weak.step_s / 16)
+    weak_g, strong_g = _goodput(simulate(weak)), _goodput(simulate(strong))
+    for system in ("dp", "elastic"):
+        assert strong_g[system] > weak_g[system] + 0.01, (system, weak_g, strong_g)
+    same = SimConfig(**{**SMALL, "fixed_batch_chips": SMALL["chips"]})
+    assert _goodput(simulate(same)) == _goodput(simulate(SimConfig(**SMALL)))
+
+
 def test_young_checkpoint_interval_beats_much_shorter_and_much_longer_ones():
     # A costly checkpoint: every step stalls the job too often, every 40 steps loses too
     # much per failure; Young's sqrt(2 x cost x MTBF) (here about 7 steps) beats both.
@@ -208,6 +222,7 @@ def test_free_checkpoints_are_taken_every_step():
         ({"detect_s": -1.0}, "detect_s"),
         ({"checkpoint_s": -0.5}, "checkpoint_s"),
         ({"step_s": 0.0}, "step_s"),
+        ({"fixed_batch_chips": -1}, "fixed_batch_chips"),
         ({"systems": ("dp", "ring")}, "systems"),
         ({"grace_gamma": 1.0}, "grace_gamma"),
     ],
@@ -229,7 +244,8 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     rc = cli_main(
         ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--days", "0.05",
-         "--json", str(out), "--plot", str(png), "--detect-s", "12"]
+         "--json", str(out), "--plot", str(png), "--detect-s", "12",
+         "--fixed-batch-chips", "150k"]
     )  # fmt: skip
     assert rc == 0
     table = capsys.readouterr().out
@@ -237,6 +253,7 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert len(doc["rows"]) == 2 * (2 + 2)  # 2 sizes x (2 baselines + 2 DiLoCo)
     assert {c["detect_s"] for c in doc["configs"]} == {12.0}
+    assert {c["fixed_batch_chips"] for c in doc["configs"]} == {150_000}
     assert doc["published"]["dp"]["150000"] == 72
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -53,7 +53,7 @@ class _Group:
         return math.floor((t - self.seg) / self.step + _EPS)
 
     def keep(self, steps: int) -> None:
-        self.useful += steps * self.cfg.step_s * self.live * self.cfg.chips_per_slice
+        self.useful += steps * self.cfg.chip_step_s * self.live * self.cfg.chips_per_slice
         self.up += steps * self.step
 
     def fail(self, t: float, j: int) -> bool:

@@ -8,7 +8,7 @@ calling ``round_policy.decide`` -- the coordinator's own function, looked up at
 call time -- at every counted arrival and at every deadline it asks for.
 
 Accounting (goodput):
-- An island's step adds live chips x step_s chip-seconds, 1/P to each fragment.
+- An island's step adds live chips x chip_step_s chip-seconds, 1/P to each fragment.
   A contribution carries what its fragment gathered since the island last sent
   it, and counts once merged. With H = P the sends tile every step, so a run
   without failures or jitter is 100 % goodput; the tau-step overlap is a
@@ -58,6 +58,7 @@ class _Sim:
         self.cfg = cfg
         M, P, n = cfg.islands, cfg.num_fragments, cfg.slices
         self.M, self.P, self.S = M, P, cfg.chips_per_slice
+        self.step_s = cfg.chip_step_s  # one chip's mean step at this size (read per step)
         self.stride = cfg.sync_every // P
         self.opts = cfg.policy
         self.island_of = [j * M // n for j in range(n)]  # contiguous blocks of slices
@@ -125,7 +126,7 @@ class _Sim:
         g = self.draws[self.di]
         self.di += 1
         cfg = self.cfg
-        return cfg.step_s * max(0.01, 1 + cfg.step_cv * (ls[0] + ls[1] * (g - EULER_GAMMA)))
+        return self.step_s * max(0.01, 1 + cfg.step_cv * (ls[0] + ls[1] * (g - EULER_GAMMA)))
 
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -138,7 +139,7 @@ class _Sim:
     def _xi_step_at(self, now: float) -> float | None:
         # The coordinator's xi_step: the fastest island's step-time EMA. Refreshed once a
         # step of simulated time, not per call: it moves slowly and M can be large.
-        if now - self._xi_at >= self.cfg.step_s:
+        if now - self._xi_at >= self.step_s:
             vals = [e.value for e in self.step_ema if e.value is not None]
             self._xi_step, self._xi_at = (min(vals) if vals else None), now
         return self._xi_step
@@ -179,7 +180,7 @@ class _Sim:
     # --------------------------------------------------------------- islands
     def _step_end(self, m: int, t: float) -> None:
         self.step_ema[m].update(t - self.start[m])
-        c = self.cum[m] = self.cum[m] + self.live[m] * self.cfg.step_s
+        c = self.cum[m] = self.cum[m] + self.live[m] * self.step_s
         s = self.idx[m]
         if self.pending[m]:  # rounds that were open when it rejoined
             keep = []

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model parameters (defaults: the calibrated ones)")
     for f in dataclasses.fields(SimConfig):
         if f.name not in _OWN:
-            model.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+            kind = parse_count if "chips" in f.name else type(f.default)  # 150k, 1.2M
+            model.add_argument("--" + f.name.replace("_", "-"), type=kind,
                                default=None, help=f"default {f.default:g}")  # fmt: skip
 
 

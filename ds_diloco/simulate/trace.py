@@ -80,4 +80,4 @@ def slowest_chip(n: int) -> tuple[float, float]:
 
 def mean_step_s(cfg: SimConfig, chips: int) -> float:
     """Mean wall time of one synchronous step of ``chips`` chips."""
-    return cfg.step_s * (1 + cfg.step_cv * slowest_chip(chips)[0])
+    return cfg.chip_step_s * (1 + cfg.step_cv * slowest_chip(chips)[0])
