@@ -15,6 +15,11 @@ once, not counted); a timeout waiting for an answer is raised as
 at once as :class:`RefusedError` with the coordinator's message; a 5xx as
 :class:`CoordinatorError`. ``TRANSPORT_ERRORS`` is every failure of the
 transport itself.
+
+An upload sent with ``release=True`` drops its body's parts (the pseudo-gradient's
+memory) as soon as its bytes are sent, before the coordinator answers; a keep-alive
+connection the coordinator closed is noticed before sending (the body is then sent
+on a new one), and a failure after the bytes went is raised, not sent again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import http.client
 import json
 import logging
+import select
 import threading
 import time
 from urllib.parse import urlencode, urlsplit
@@ -116,11 +122,15 @@ class CoordinatorClient:
                 conn.close()
 
     def _open(
-        self, method: str, path: str, params: dict | None = None, body=None, content_type=None
-    ) -> http.client.HTTPResponse:
+        self, method: str, path: str, params: dict | None = None, body=None, content_type=None,
+        release: bool = False,
+    ) -> http.client.HTTPResponse:  # fmt: skip
         """Send a request and return its response, body unread; raises on 4xx and 5xx.
 
         ``body``: bytes, or a :class:`wire.Body` sent part by part from the tensors' memory.
+        ``release`` (a Body): drop its parts once all its bytes are sent, before the answer
+        comes, so that its memory is not held while the coordinator works; a failure after
+        that is raised, not retried (the coordinator may have the request).
         """
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         headers = dict(self._headers)
@@ -130,18 +140,26 @@ class CoordinatorClient:
         attempt = 0
         while True:
             conn = self._conn()
+            if conn.sock is not None and _closed_by_peer(conn.sock):
+                conn.close()  # closed by the coordinator while idle: a new one, no failure
             reused = conn.sock is not None
             connected = reused
+            sent = False
             try:
                 if not reused:
                     conn.connect()  # a connect that times out is retried like a refused one
                     connected = True
                 self._send(conn, method, target, headers, body)
+                sent = True
+                if release:
+                    body.release()
                 r = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 if connected and isinstance(e, TimeoutError):
                     raise  # no answer in time: the request may be in progress, not retried
+                if sent and release:
+                    raise  # the body is gone; the coordinator may have taken it
                 if reused and isinstance(e, _STALE):
                     continue  # closed by the coordinator while idle: reopen, not a failure
                 if attempt >= self.retries:
@@ -182,8 +200,8 @@ class CoordinatorClient:
             raise
 
     def _request(self, method: str, path: str, params: dict | None = None, body=None,
-                 content_type=None) -> Reply:  # fmt: skip
-        r = self._open(method, path, params, body, content_type)
+                 content_type=None, release: bool = False) -> Reply:  # fmt: skip
+        r = self._open(method, path, params, body, content_type, release)
         with self._reading():
             data = r.read()
         return Reply(r.status, r.headers, data)
@@ -236,10 +254,14 @@ class CoordinatorClient:
         # Streamed from the slices' memory: no copy of the pseudo-gradient is made.
         return self.upload_body(wire.upload_parts(header, slices))
 
-    def upload_body(self, body: bytes | wire.Body) -> dict:
+    def upload_body(self, body: bytes | wire.Body, release: bool = False) -> dict:
+        """Send an encoded upload; ``release`` (a Body): see :meth:`_open`."""
+        if release and not isinstance(body, wire.Body):
+            raise TypeError("release needs a wire.Body (bytes cannot be released)")
         return self._request(
-            "POST", "/v1/upload", body=body, content_type="application/octet-stream"
-        ).json()
+            "POST", "/v1/upload", body=body, content_type="application/octet-stream",
+            release=release,
+        ).json()  # fmt: skip
 
     def download(
         self,
@@ -304,6 +326,14 @@ def _check_fragment(header, headers, fragment: int, world_size: int, rank: int) 
         )
     if int(headers.get(wire.VERSION_HEADER, header.version)) != header.version:
         raise wire.WireError("download: version header and body disagree")
+
+
+def _closed_by_peer(sock) -> bool:
+    """An idle keep-alive connection with something to read: the server's close (EOF)."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 class _Whole:

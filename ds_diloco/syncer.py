@@ -551,14 +551,18 @@ class FragmentSyncer:
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
-            if not self._upload(header, delta):  # no result of this upload will come
-                with self._lock:
+            keys = [(header.fragment, n) for n in delta]
+            body = self._encode(header, delta)
+            # From here the pseudo-gradient is held only by the body, and the client drops
+            # that once the bytes are sent: not while the coordinator works on them, nor
+            # while this thread waits for the next upload (memory goal: one shard copy).
+            del delta
+            if body is None or not self._upload(header, body, keys):
+                with self._lock:  # no result of this upload will come
                     slot = self.slots[index]
                     if slot.sent_step == header.step:
                         slot.in_flight = False
-            # Not held while waiting for the next upload: the training thread's next send
-            # would then hold two fragments' pseudo-gradients at once (memory goal).
-            del delta
+            del body
             self._uploads.task_done()
 
     def _wanted(self) -> list[int | None]:
@@ -617,28 +621,35 @@ class FragmentSyncer:
         if threading.get_ident() == self._train_thread:
             self.stats.network_calls_in_loop += 1
 
-    def _upload(self, header: wire.UploadHeader, delta) -> bool:
-        """Send one upload; True if the coordinator accepted it."""
-        self._count_network_call()
-        ef, keys = self.feedback, [(header.fragment, n) for n in delta]
+    def _encode(self, header: wire.UploadHeader, delta) -> wire.Body | None:
+        """The upload's body (aliasing ``delta``, or its compressed form); None: not sendable."""
+        ef = self.feedback
         if ef is None:
-            body = wire.upload_parts(header, delta)
-        else:
-            # Compressed here, off the training thread, and only what is really sent (a
-            # superseded pending upload never touches the residuals). Error feedback: each
-            # slice's residual from the fragment's previous upload is added to this one.
-            try:
-                enc = {n: ef.compress(k, delta[n]) for k, n in zip(keys, delta)}
-            except ValueError as e:  # NaN or Inf in the pseudo-gradient: nothing to send
-                for k in keys:
-                    ef.reset(k)
-                self.stats.refused += 1
-                log.warning("%s/%d upload not sent: %s", self.island, self.rank, e)
-                return False
-            body = wire.upload_parts(header, *compress.to_wire(enc))
+            return wire.upload_parts(header, delta)
+        # Compressed here, off the training thread, and only what is really sent (a
+        # superseded pending upload never touches the residuals). Error feedback: each
+        # slice's residual from the fragment's previous upload is added to this one.
+        keys = [(header.fragment, n) for n in delta]
+        try:
+            enc = {n: ef.compress(k, delta[n]) for k, n in zip(keys, delta)}
+        except ValueError as e:  # NaN or Inf in the pseudo-gradient: nothing to send
+            for k in keys:
+                ef.reset(k)
+            self.stats.refused += 1
+            log.warning("%s/%d upload not sent: %s", self.island, self.rank, e)
+            return None
+        return wire.upload_parts(header, *compress.to_wire(enc))
+
+    def _upload(self, header: wire.UploadHeader, body: wire.Body, keys: list) -> bool:
+        """Send one upload (its body is released once sent); True if it was accepted.
+
+        ``keys``: the (fragment, slice) error-feedback residuals in it.
+        """
+        self._count_network_call()
+        ef = self.feedback
         accepted = False
         try:
-            reply = self.client.upload_body(body)
+            reply = self.client.upload_body(body, release=True)
             self.stats.uploads += 1
             self.stats.bytes_sent += len(body)
             accepted = reply["status"] == "accepted"

@@ -132,14 +132,20 @@ class Body:
     """
 
     def __init__(self, parts: list):
-        self.parts = parts
+        self.parts: list | None = parts
         self.nbytes = sum(len(p) for p in parts)
 
     def __len__(self) -> int:
         return self.nbytes
 
     def __bytes__(self) -> bytes:
+        if self.parts is None:
+            raise WireError("body already released after sending: its bytes are gone")
         return b"".join(self.parts)
+
+    def release(self) -> None:
+        """Drop the parts (and so the tensors' memory, if nothing else holds it)."""
+        self.parts = None
 
 
 def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -104,6 +104,50 @@ def test_a_connection_the_server_closed_while_idle_is_reopened_without_a_failure
         srv.close()
 
 
+def _upload_body(values: list[float]) -> wire.Body:
+    header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                               step=1, tokens=4, steps=1)  # fmt: skip
+    return wire.upload_parts(header, {"w": torch.tensor(values)})
+
+
+def test_a_released_upload_drops_its_parts_once_sent_and_is_not_sent_twice(caplog):
+    # Released: the pseudo-gradient is not held while the coordinator works on it. On a
+    # kept-alive connection the server closed while idle it still goes through (the
+    # close is seen before sending); a failure after the bytes went is raised, not sent
+    # again (the coordinator may have taken it).
+    srv = _Server(lambda h: (200, json.dumps({"status": "accepted", "n": len(h.body)}).encode()),
+                  close_after=True)  # fmt: skip
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=3)
+        for i in range(3):
+            body = _upload_body([float(i)] * 5)
+            whole = bytes(body)
+            assert c.upload_body(body, release=True) == {"status": "accepted", "n": len(whole)}
+            assert body.parts is None and len(body) == len(whole)
+            time.sleep(0.05)  # the server has closed its end by now
+        assert srv.connections == 3 and "retry" not in caplog.text
+        with pytest.raises(TypeError, match=r"wire\.Body"):
+            c.upload_body(whole, release=True)
+    finally:
+        srv.close()
+
+    def vanish(handler):  # reads the request, then the connection dies unanswered
+        raise ConnectionAbortedError("coordinator gone")
+
+    srv = _Server(vanish)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=3, backoff_s=0.01)
+        body = _upload_body([1.0, 2.0])
+        with pytest.raises(TRANSPORT_ERRORS):
+            c.upload_body(body, release=True)
+        assert srv.paths == ["/v1/upload"] and body.parts is None  # sent once
+        with pytest.raises(TRANSPORT_ERRORS):
+            c.upload_body(bytes(_upload_body([1.0, 2.0])))  # kept: retried
+        assert srv.paths == ["/v1/upload"] * 5
+    finally:
+        srv.close()
+
+
 def test_threads_use_their_own_connections():
     srv = _Server(_ok, delay_s=0.2)
     try:

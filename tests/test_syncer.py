@@ -523,23 +523,40 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
             s.close()
 
 
-def test_a_sent_pseudo_gradient_is_not_kept_once_uploaded(tiny_config_path, tmp_path):
+def test_a_sent_pseudo_gradient_is_freed_before_the_coordinator_answers(tiny_config_path, tmp_path):
     # The memory goal allows one fp32 copy of the shard (the base) besides what is in
-    # flight. The uploader used to keep its last pseudo-gradient bound while it waited
-    # for the next one: the next send then held two fragments' worth at once.
+    # flight, and an upload is in flight only until its bytes are sent: the body's parts
+    # are dropped then, not when the coordinator's answer comes (it may be busy merging).
+    # Earlier versions held the pseudo-gradient until the answer, and once until the
+    # next upload (two fragments' worth at once).
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
-        refs, upload = [], s._upload
+        refs, bodies, encode = [], [], s._encode
 
         def spy(header, delta):
             refs.extend(weakref.ref(t) for t in delta.values())
-            return upload(header, delta)
+            bodies.append(encode(header, delta))  # its parts alias the pseudo-gradient
+            return bodies[-1]
 
-        s._upload = spy  # the uploader thread looks it up per upload
+        arrived, answer = threading.Event(), threading.Event()
+        take = srv.coord.upload
+
+        def held_upload(body):  # the coordinator has the bytes and has not answered
+            arrived.set()
+            assert answer.wait(20.0)
+            return take(body)
+
+        s._encode = spy  # the uploader thread looks both up per upload
+        srv.coord.upload = held_upload
         s.bootstrap()
-        train(s, range(1, 3), wait_results=False)  # fragment 0 is sent at step 2
+        try:
+            train(s, range(1, 3), wait_results=False)  # fragment 0 is sent at step 2
+            assert arrived.wait(10.0), "no upload reached the coordinator"
+            assert refs and bodies, "the upload went around the spy"
+            wait_for(lambda: all(r() is None for r in refs), timeout=5.0)
+            assert bodies[0].parts is None, "the sent body still holds the pseudo-gradient"
+        finally:
+            answer.set()
         wait_for(lambda: s.stats.uploads == 1)
-        assert refs, "the upload went around the spy"
-        wait_for(lambda: all(r() is None for r in refs), timeout=5.0)
         s.close()
