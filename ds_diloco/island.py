@@ -231,4 +231,5 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         progress.write(json.dumps({"island": cfg.island, "done": True, **summary}) + "\n")
         progress.close()
     zero.barrier()
+    zero.shutdown()
     return summary

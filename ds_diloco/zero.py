@@ -190,6 +190,17 @@ def barrier() -> None:
     torch.distributed.barrier()
 
 
+def shutdown() -> None:
+    """Tear the island's process group down before the process exits.
+
+    Left to interpreter exit, its threads (gloo's, the store's) are torn down in no
+    set order; a rank once aborted there ("terminate called without an active
+    exception") after finishing its work, failing the launch.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def gather_full_params(engine) -> dict[str, torch.Tensor]:
     """Whole fp32 copies of every parameter on every rank (a collective: all ranks call it)."""
     import deepspeed
