@@ -551,8 +551,8 @@ class FragmentSyncer:
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
-            keys = [(header.fragment, n) for n in delta]
-            body = self._encode(header, delta)
+            keys = [(header.fragment, n) for n in delta]  # its error-feedback residuals
+            body = self._encode(header, delta, keys)
             # From here the pseudo-gradient is held only by the body, and the client drops
             # that once the bytes are sent: not while the coordinator works on them, nor
             # while this thread waits for the next upload (memory goal: one shard copy).
@@ -621,15 +621,17 @@ class FragmentSyncer:
         if threading.get_ident() == self._train_thread:
             self.stats.network_calls_in_loop += 1
 
-    def _encode(self, header: wire.UploadHeader, delta) -> wire.Body | None:
-        """The upload's body (aliasing ``delta``, or its compressed form); None: not sendable."""
+    def _encode(self, header: wire.UploadHeader, delta, keys: list) -> wire.Body | None:
+        """The upload's body (aliasing ``delta``, or its compressed form); None: not sendable.
+
+        ``keys``: the (fragment, slice) residuals of ``delta``'s slices, in its order.
+        """
         ef = self.feedback
         if ef is None:
             return wire.upload_parts(header, delta)
         # Compressed here, off the training thread, and only what is really sent (a
         # superseded pending upload never touches the residuals). Error feedback: each
         # slice's residual from the fragment's previous upload is added to this one.
-        keys = [(header.fragment, n) for n in delta]
         try:
             enc = {n: ef.compress(k, delta[n]) for k, n in zip(keys, delta)}
         except ValueError as e:  # NaN or Inf in the pseudo-gradient: nothing to send

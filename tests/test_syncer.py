@@ -534,9 +534,9 @@ def test_a_sent_pseudo_gradient_is_freed_before_the_coordinator_answers(tiny_con
         (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
         refs, bodies, encode = [], [], s._encode
 
-        def spy(header, delta):
+        def spy(header, delta, keys):
             refs.extend(weakref.ref(t) for t in delta.values())
-            bodies.append(encode(header, delta))  # its parts alias the pseudo-gradient
+            bodies.append(encode(header, delta, keys))  # its parts alias the pseudo-gradient
             return bodies[-1]
 
         arrived, answer = threading.Event(), threading.Event()

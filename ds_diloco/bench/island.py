@@ -46,7 +46,7 @@ What the extra time is, from the training thread's /proc schedstat in two launch
 (tiny Llama on 2 cores, plain 305 ms a step): of ds_diloco's +24 ms, +8 ms were its
 own CPU (the sync part and more), +7 ms waiting for a core while runnable (the
 coordinator and the transport threads had it), +9 ms blocked in collectives on the
-peer rank, held up the same way. Tried, each within the launch-to-launch noise (about 1 %):
+peer rank, held up the same way. Tried, none beyond the launch-to-launch noise (1-2 %):
 the coordinator at nice +19, the transport threads at SCHED_IDLE, a 0.5 ms GIL switch
 interval in the ranks, the coordinator without durable merges (0.85 ms CPU a merge).
 """
@@ -475,23 +475,22 @@ class IslandBench:
 
     def _side(self, mode: str, rank: int) -> Side:
         runs = self.of(mode)
-        ranks = lambda x: x.summaries(rank)  # noqa: E731
 
         def med(f) -> float:
             return statistics.median(f(x) for x in runs)
 
         def per_step(key: str):
-            return lambda x: statistics.fmean(r[key] / r["steps"] for r in ranks(x))
+            return lambda x: statistics.fmean(r[key] / r["steps"] for r in x.summaries(rank))
 
         def stat(key: str):  # a syncer counter per step, mean over the ranks
             return lambda x: statistics.fmean(
-                (r["stats"] or {}).get(key, 0.0) / r["steps"] for r in ranks(x)
+                (r["stats"] or {}).get(key, 0.0) / r["steps"] for r in x.summaries(rank)
             )
 
         return Side(
             step_s=med(lambda x: x.step_s(rank)),
             step_mean_s=med(lambda x: statistics.fmean(x.step_times(rank))),
-            peak_rss_mb=med(lambda x: sum(r["peak_rss_mb"] for r in ranks(x))),
+            peak_rss_mb=med(lambda x: sum(r["peak_rss_mb"] for r in x.summaries(rank))),
             train_per_step_s=med(per_step("train_s")),
             sync_per_step_s=med(per_step("sync_s")),
             agree_per_step_s=med(stat("agree_s")),
