@@ -71,7 +71,11 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
 
     # Merges happened on every fragment, and the held-out loss went down.
     assert min(summary["merges"]) >= 3, summary["merges"]
-    assert summary["heldout_loss_merged"] < summary["heldout_loss_initial"] - 0.3, summary
+    assert summary["heldout_loss_merged"] < summary["heldout_loss_initial"] - 0.3, json.dumps(
+        {"merges": summary["merges"], "islands": {k: v.get("stats") for k, v in
+         summary["islands"].items()}, "loss": [summary["heldout_loss_initial"],
+         summary["heldout_loss_merged"]]}  # a string: pytest cuts a long dict short
+    )  # fmt: skip
     assert summary["sample"].startswith("Shall I")
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
