@@ -131,9 +131,11 @@ def test_send_schedule_matches_the_islands_fragment_schedule():
         assert mine == sched.due(s)
 
 
-# The goal is 3 points on every published cell. Data-parallel at 600k and 2.4M misses it
-# (3.3 and 3.2 points off): a known miss, kept visible as a strict xfail (the next test
-# shows why no restart time and checkpoint cost fit both).
+# The goal is 3 points on every published cell, judged on four simulated weeks: one week's
+# goodput moves by up to a point from seed to seed (seed 0's week put data-parallel at 600k
+# 3.3 points over, four weeks 4.1). Data-parallel at 600k and 2.4M misses it (4.1 and 3.2
+# points off): a known miss, kept visible as a strict xfail (the next test shows why no
+# restart time and checkpoint cost fit both).
 DP_MISSED = {600_000, 2_400_000}
 
 
@@ -141,14 +143,14 @@ DP_MISSED = {600_000, 2_400_000}
     ("system", "n"),
     [
         pytest.param(system, n, marks=pytest.mark.xfail(
-            strict=True, reason="goal missed: 3.2-3.3 points off, see the next test"))
+            strict=True, reason="goal missed: 3.2-4.1 points off, see the next test"))
         if system == "dp" and n in DP_MISSED else (system, n)
         for system in ("dp", "elastic")
         for n in PAPER_CHIPS
     ],
 )  # fmt: skip
 def test_calibrated_baselines_are_within_3_points_of_the_published_table(system, n):
-    cfg = SimConfig(chips=n)  # the calibrated defaults, a simulated week
+    cfg = SimConfig(chips=n, days=28)  # the calibrated defaults, four simulated weeks
     trace = failure_trace(cfg)
     run = simulate_dp if system == "dp" else simulate_elastic
     got = 100 * run(cfg, trace).goodput
