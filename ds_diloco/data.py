@@ -263,6 +263,21 @@ def heldout_split(
     return blocks[torch.from_numpy(train)], blocks[torch.from_numpy(held)]
 
 
+def eval_blocks(heldout: torch.Tensor, rank: int, world: int, limit: int) -> torch.Tensor:
+    """A rank's held-out blocks to evaluate: the same number on every rank, never none.
+
+    Under ZeRO-3 every forward gathers parameters with a collective, so the ranks
+    must run the same number of batches: a rank with one batch fewer (or an empty
+    one) would leave the others waiting or crash. Every ``world``-th block from
+    ``rank``, cut to the count all ranks have; with fewer blocks than ranks, every
+    rank evaluates the same ones (the mean is unchanged).
+    """
+    n = min(len(heldout) // world, limit)
+    if n == 0:
+        return heldout[:limit]
+    return heldout[rank::world][:n]
+
+
 class BlockLoader:
     """Endless batches from one shard's blocks, in a seeded order, resumable exactly.
 

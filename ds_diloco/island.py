@@ -24,7 +24,7 @@ import torch
 
 from ds_diloco import zero
 from ds_diloco.config import IslandConfig
-from ds_diloco.data import BlockLoader, heldout_split, prepare_corpus, split_blocks
+from ds_diloco.data import BlockLoader, eval_blocks, heldout_split, prepare_corpus, split_blocks
 from ds_diloco.hf_model import lm_loss
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
@@ -60,7 +60,7 @@ def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:
 def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) -> float:
     """Mean held-out loss over the island (every rank a different part; one all-reduce)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = heldout[rank::world][: micro_batch * batches]
+    mine = eval_blocks(heldout, rank, world, micro_batch * batches)
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
     for b in mine.to(engine.device).split(micro_batch):

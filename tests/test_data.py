@@ -252,3 +252,19 @@ def test_prepare_corpus_caches_blocks(tmp_path, monkeypatch):
     monkeypatch.undo()
     _, longer = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 64)  # new seq_len: new key
     assert longer.shape[1] == 65
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 9, 40])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_eval_blocks_give_every_rank_the_same_nonempty_count(blocks, world):
+    # ZeRO-3 ranks meet in every forward: unequal (or empty) shares hang or crash the
+    # evaluation. 5 blocks over 2 ranks used to give 3 and 2; 1 block gave rank 1 none.
+    heldout = torch.arange(blocks * 3).view(blocks, 3)
+    limit = 8
+    shares = [data.eval_blocks(heldout, r, world, limit) for r in range(world)]
+    counts = {len(s) for s in shares}
+    assert len(counts) == 1 and 0 < counts.pop() <= limit, [len(s) for s in shares]
+    rows = [tuple(x.tolist()) for s in shares for x in s]
+    if blocks >= world:  # disjoint: each block evaluated once
+        assert len(rows) == len(set(rows))
+    assert set(rows) <= {tuple(x.tolist()) for x in heldout}
