@@ -133,11 +133,43 @@ class RoundState:
             )
 
 
-@dataclass(frozen=True)
+class Why:
+    """A reason, formatted only when read: ``str.format(fmt, *args)``.
+
+    The simulator asks for millions of decisions and reads none of their reasons;
+    formatting the floats in them was a third of its time.
+    """
+
+    __slots__ = ("args", "fmt")
+
+    def __init__(self, fmt: str, *args) -> None:
+        self.fmt, self.args = fmt, args
+
+    def __str__(self) -> str:
+        return self.fmt.format(*self.args)
+
+
 class Decision:
-    merge: bool
-    wait_until: float | None  # when to decide again; None: only when something arrives
-    reason: str
+    """Merge now, or wait until ``wait_until`` (None: until the next arrival); and why."""
+
+    __slots__ = ("_why", "merge", "wait_until")
+
+    def __init__(self, merge: bool, wait_until: float | None, reason: str | Why) -> None:
+        self.merge, self.wait_until, self._why = merge, wait_until, reason
+
+    @property
+    def reason(self) -> str:
+        return str(self._why)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Decision):
+            return NotImplemented
+        return (self.merge, self.wait_until, self.reason) == (
+            other.merge, other.wait_until, other.reason
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Decision(merge={self.merge}, wait_until={self.wait_until}, reason={self.reason!r})"
 
 
 def grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str]:
@@ -146,6 +178,11 @@ def grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str]:
     slack = tau * xi_step - (xi_quorum + xi_sync) is the time left before the
     result is needed; unknown quorum or sync times count as 0.
     """
+    grace, why = _grace_window(state, opts)
+    return grace, str(why)
+
+
+def _grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str | Why]:
     if opts.grace_gamma == 0:
         return 0.0, "grace disabled (gamma=0)"
     if state.xi_step is None:
@@ -154,13 +191,15 @@ def grace_window(state: RoundState, opts: PolicyOptions) -> tuple[float, str]:
     xs = state.xi_sync or 0.0
     slack = opts.tau * state.xi_step - (xq + xs)
     grace = opts.grace_gamma * max(slack, 0.0)
-    why = (
-        f"gamma {opts.grace_gamma:g} x max({opts.tau} x step {state.xi_step:.3f}s"
-        f" - (quorum {xq:.3f}s + sync {xs:.3f}s), 0)"
-    )
+    why = Why(
+        "gamma {:g} x max({} x step {:.3f}s - (quorum {:.3f}s + sync {:.3f}s), 0)",
+        opts.grace_gamma, opts.tau, state.xi_step, xq, xs,
+    )  # fmt: skip
     if grace > opts.max_grace_s:
-        return opts.max_grace_s, f"grace {opts.max_grace_s:.3f}s (capped; {why} = {grace:.3f}s)"
-    return grace, f"grace {grace:.3f}s = {why}"
+        return opts.max_grace_s, Why(
+            "grace {:.3f}s (capped; {} = {:.3f}s)", opts.max_grace_s, why, grace
+        )
+    return grace, Why("grace {:.3f}s = {}", grace, why)
 
 
 def expected_wait(state: RoundState, opts: PolicyOptions) -> tuple[float | None, str]:
@@ -169,16 +208,21 @@ def expected_wait(state: RoundState, opts: PolicyOptions) -> tuple[float | None,
     Bounded by ``wait_expected_steps`` inner steps after the first contribution: an
     island predicted later than that is not waited for (it will be stale).
     """
+    until, why = _expected_wait(state, opts)
+    return until, str(why)
+
+
+def _expected_wait(state: RoundState, opts: PolicyOptions) -> tuple[float | None, str | Why]:
     if opts.wait_expected_steps == 0:
         return None, "no wait for expected islands"
     if state.xi_step is None or state.first_arrival is None:
         return None, "no step-time estimate yet"
     limit = state.first_arrival + opts.wait_expected_steps * state.xi_step
     soon = [t for t in state.expected if t <= limit]
-    window = f"{opts.wait_expected_steps:g} x step {state.xi_step:.3f}s"
+    window = Why("{:g} x step {:.3f}s", opts.wait_expected_steps, state.xi_step)
     if not soon:
-        return None, f"no live island expected within {window}"
-    return limit, f"{len(soon)} live island(s) expected within {window}"
+        return None, Why("no live island expected within {}", window)
+    return limit, Why("{} live island(s) expected within {}", len(soon), window)
 
 
 def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
@@ -188,23 +232,25 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
         return Decision(False, None, "no contribution yet")
     # A dead island must never make the others wait: the quorum is capped by the live ones.
     quorum = max(1, min(k, live))
-    k_desc = f"K={k}" if quorum == k else f"K={k} capped to {quorum} live islands"
+    k_desc = Why("K={}", k) if quorum == k else Why("K={} capped to {} live islands", k, quorum)
     if c < quorum:
-        return Decision(False, None, f"quorum {c}/{quorum} ({k_desc})")
+        return Decision(False, None, Why("quorum {}/{} ({})", c, quorum, k_desc))
     if c >= live:
         extra = f" ({c} contributions)" if c != live else ""
-        return Decision(True, None, f"all {live} live islands in{extra}")
-    grace, grace_why = grace_window(state, opts)
+        return Decision(True, None, Why("all {} live islands in{}", live, extra))
+    grace, grace_why = _grace_window(state, opts)
     quorum_at = now if state.quorum_at is None else state.quorum_at
     deadline = quorum_at + grace
-    head = f"quorum {c}/{quorum} ({k_desc}) reached, {c}/{live} live islands in"
+    head = Why("quorum {}/{} ({}) reached, {}/{} live islands in", c, quorum, k_desc, c, live)
     if now >= deadline:
-        until, why = expected_wait(state, opts)
+        until, why = _expected_wait(state, opts)
         if until is not None and now < until:
-            return Decision(False, until, f"{head}; grace over, waiting {until - now:.3f}s "
-                                          f"more: {why}")  # fmt: skip
-        tail = f"; {why}" if opts.wait_expected_steps else ""
-        return Decision(True, None, f"{head}; grace over: {grace_why}{tail}")
+            return Decision(False, until, Why("{}; grace over, waiting {:.3f}s more: {}",
+                                              head, until - now, why))  # fmt: skip
+        if opts.wait_expected_steps:
+            return Decision(True, None, Why("{}; grace over: {}; {}", head, grace_why, why))
+        return Decision(True, None, Why("{}; grace over: {}", head, grace_why))
     return Decision(
-        False, deadline, f"{head}; waiting {deadline - now:.3f}s more for stragglers: {grace_why}"
-    )
+        False, deadline,
+        Why("{}; waiting {:.3f}s more for stragglers: {}", head, deadline - now, grace_why),
+    )  # fmt: skip
