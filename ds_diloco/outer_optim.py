@@ -278,7 +278,13 @@ class OuterOptimConfig:
     """Outer learning rate eta (> 0); ignored by "average", which always uses 1."""
 
     momentum: float = 0.9
-    """Nesterov momentum beta, 0 <= beta < 1; ignored by "average"."""
+    """Nesterov momentum beta, 0 <= beta < 1; ignored by "average". 0.9 is DiLoCo's value for
+    hundreds of inner steps per sync. With a few (H of 4-12) the pseudo-gradients of
+    successive merges point the same way, the buffer grows to several times one of them,
+    and each outer step is mostly momentum: measured with H = 4 (2 islands, 24 steps),
+    the buffer reached 9x the last pseudo-gradient, and the merged model after the last
+    merges was 0.65 nats worse on held-out text than 11 merges earlier. ``ds-diloco bench
+    quality`` tuned 0.4 at H = 12 (outer lr 0.7)."""
 
     every: int = 4
     """"delayed_nesterov" only: apply momentum every this many merges (>= 1; 1 = nesterov)."""
