@@ -875,6 +875,7 @@ class Coordinator:
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
+        reason = decision.reason  # formatted here once (round_policy.Why), stored and logged
         with self._lock:
             self._round_clock = (
                 self.send_schedule.position(fs.fragment.index),
@@ -898,7 +899,7 @@ class Coordinator:
                 "islands": sorted(c.island for c in contribs),
                 "weights": {c.island: float(weights[c.row]) for c in contribs},
                 "staleness": reasons,
-                "reason": decision.reason,
+                "reason": reason,
                 "seconds": sync,
                 "pseudo_gradient_norm": merged_norm,
                 "norms": norms,
@@ -915,7 +916,7 @@ class Coordinator:
             fs.fragment.index,
             version + 1,
             ",".join(sorted(c.island for c in contribs)),
-            decision.reason,
+            reason,
             sync,
         )
 

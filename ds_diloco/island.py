@@ -58,7 +58,7 @@ def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:
 
 @torch.no_grad()
 def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) -> float:
-    """Mean held-out loss over the island (every rank a different part; one all-reduce)."""
+    """Mean held-out loss over the island (each rank its ``eval_blocks``; one all-reduce)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = eval_blocks(heldout, rank, world, micro_batch * batches)
     engine.eval()

@@ -4,9 +4,9 @@ The defaults marked *calibrated* are not published: they were fitted to the two
 baseline rows of the published table (``PUBLISHED``). One simulated week's goodput
 moves by up to a point from seed to seed, so the fit is judged on four weeks
 (``days=28``; 56-day runs and the mean of eight one-week runs agree within
-0.3). Elastic data-parallel comes out within 3 points at every size. Data-parallel (restart from an in-memory
-checkpoint taken at Young's interval, each checkpoint stalling the job
-``checkpoint_s``) is within 3 points at 150k, 300k and 1.2M but 4.1 and 3.2
+0.3). Elastic data-parallel comes out within 3 points at every size.
+Data-parallel (restart from an in-memory checkpoint taken at Young's interval,
+each checkpoint stalling the job ``checkpoint_s``) is within 3 points at 150k, 300k and 1.2M but 4.1 and 3.2
 points off at 600k and 2.4M (seed 0's single week, on which the values were
 first fitted, said 3.3 and 3.2), and no pair of restart time and checkpoint cost
 brings both within 3: with any checkpoint cost from 0 to 8 s, 600k needs a
@@ -32,7 +32,8 @@ margin is a tenth of a point, and the paper does not say which batch its simulat
 keeps fixed; and Decoupled DiLoCo, simulated step by step, gets 16x the steps at
 2.4M chips (0.33 s each): 18 s per simulated day at 1.2M chips and M = 8, 31 s at
 2.4M and M = 16 (about 3.5 minutes a week), against the one minute asked of the
-simulator; and with steps that short the default ``merge_s`` is over tau steps (below). With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts
+simulator; and with steps that short the default ``merge_s`` is over tau steps
+(below). With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts
 Decoupled DiLoCo at M = 8, 1.2M chips at 83.6 % (published: 88; these defaults:
 76.4 %).
 
