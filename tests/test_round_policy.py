@@ -68,9 +68,17 @@ def test_quorum_reached_waits_for_grace_then_merges():
     assert d.wait_until == pytest.approx(10.75)
     assert "quorum 1/1 (K=1) reached" in d.reason and "waiting 0.500s" in d.reason
     assert "grace 0.750s" in d.reason
+    why = "gamma 0.5 x max(2 x step 1.000s - (quorum 0.200s + sync 0.300s), 0)"
+    assert d.reason == (
+        "quorum 1/1 (K=1) reached, 1/3 live islands in; waiting 0.500s more for stragglers: "
+        f"grace 0.750s = {why}"
+    )
     d = decide(10.75, st, opts)
     assert d.merge and d.wait_until is None
-    assert "grace over" in d.reason and "quorum 1/1" in d.reason
+    assert (
+        d.reason
+        == f"quorum 1/1 (K=1) reached, 1/3 live islands in; grace over: grace 0.750s = {why}"
+    )
 
 
 def test_quorum_at_missing_counts_from_now():
@@ -147,11 +155,18 @@ def test_after_the_grace_window_the_round_waits_for_islands_expected_soon():
     state = _state(expected=(12.5, 30.0))  # one island 2.5 steps behind, one far behind
     d = decide(11.0, state, opts)
     assert not d.merge and d.wait_until == 14.0  # first arrival + 4 steps of 1 s
-    assert "1 live island(s) expected within 4 x step 1.000s" in d.reason
+    assert d.reason == (
+        "quorum 1/1 (K=1) reached, 1/3 live islands in; grace over, waiting "
+        "3.000s more: 1 live island(s) expected within 4 x step 1.000s"
+    )
     assert decide(14.0, state, opts).merge  # it did not come: closed at the bound
     # It came (the coordinator no longer lists it): nobody else is expected soon.
     d = decide(12.6, _state(contributors=2, quorum_at=10.0, expected=(30.0,)), opts)
-    assert d.merge and "no live island expected within 4 x step" in d.reason
+    assert d.merge and d.reason == (
+        "quorum 2/1 (K=1) reached, 2/3 live islands in; grace over: grace 0.750s = gamma 0.5 x "
+        "max(2 x step 1.000s - (quorum 0.200s + sync 0.300s), 0); no live island expected "
+        "within 4 x step 1.000s"
+    )
     # Off (the paper's rule, the default): the grace window alone.
     assert decide(11.0, state, PolicyOptions(grace_gamma=0.5, tau=2)).merge
     with pytest.raises(ValueError, match="wait_expected_steps must be >= 0"):
