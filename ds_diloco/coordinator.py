@@ -205,13 +205,19 @@ class _Served:
 
 class _FragmentState:
     def __init__(
-        self, fragment: Fragment, values: torch.Tensor, optimizer, plain_patterns, norm_window
+        self,
+        fragment: Fragment,
+        values: torch.Tensor,
+        optimizer,
+        plain_patterns,
+        norm_window,
+        version: int = 0,
     ):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.optimizer = optimizer
         self.spare: list[torch.Tensor] = []
-        self.publish(0, values)
+        self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = _RWLock()
         self.rows = torch.zeros(0, fragment.numel)
         self.free_rows: list[int] = []
@@ -240,6 +246,8 @@ class _FragmentState:
         self.values, self.version = values, version
 
     def _recycle(self, values: torch.Tensor) -> None:
+        if values is self.served.values:  # published again (it must never be written)
+            return
         if not self.spare:  # one is all a merge at a time needs: hold no more memory
             self.spare.append(values)
 
@@ -306,10 +314,12 @@ class Coordinator:
         self._reserved = self.versions()
         self.save(all_fragments=True, final=True)
 
-    def _new_fragment_state(self, frag: Fragment, values: torch.Tensor) -> _FragmentState:
+    def _new_fragment_state(
+        self, frag: Fragment, values: torch.Tensor, version: int = 0
+    ) -> _FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
         return _FragmentState(
-            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window
+            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version
         )
 
     def _load(self) -> None:
@@ -330,13 +340,12 @@ class Coordinator:
         hwm = self.store.read_json("versions.json") or {}
         for frag in plan.fragments:
             version, values, optim = self.store.read_fragment(frag.index)
-            fs = self._new_fragment_state(frag, values)
-            if optim:
-                fs.optimizer.load_state_dict(optim)
             # Written with durable merges, the file holds the last served version. Otherwise a
             # version may have been served after the last save: never reuse its number.
             served = version if state.get("durable_merges") else hwm.get(str(frag.index), version)
-            fs.publish(served + 1 if served > version else version, values)
+            fs = self._new_fragment_state(frag, values, served + 1 if served > version else version)
+            if optim:
+                fs.optimizer.load_state_dict(optim)
             fs.saved_version = version
             fs.merges = state["merges"][frag.index]
             self._frags.append(fs)

@@ -488,6 +488,30 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
     assert a != b and c == a  # steady state: two buffers take turns, no new ones
 
 
+def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_config_path, tmp_path):
+    # Seen in the chaos test: a restarted coordinator served version 53 of a fragment with
+    # other values than before the kill. Resuming published the loaded values twice (as
+    # version 0, then as the saved version); dropping the first publication recycled the
+    # buffer still served as the second, and the next merge stepped it in place.
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 1, coord.plan.signature)
+    send(coord, "a", 0, step=2, scale=1e-2)
+    assert coord.poll(0).merge and coord.versions()[0] == 1
+    again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)  # resumed (durable merges)
+    assert again.versions()[0] == 1
+    assert not again._frags[0].spare, "no buffer may be free while its values are served"
+    version, held = again.download(0, 1, 0)  # a body of version 1, being sent, say
+    assert version == 1
+    raw, served = bytes(held), again.global_tensors()
+    again.register("a", 1, again.plan.signature)
+    send(again, "a", 0, step=4, scale=1e-2)
+    assert again.poll(0).merge and again.versions()[0] == 2
+    assert bytes(held) == raw, "a served version's values changed under its download"
+    after = again.global_tensors()
+    assert any(not torch.equal(after[n], served[n]) for n in coord.plan.fragments[0].names)
+
+
 def test_norm_guard_drops_a_pseudo_gradient_far_above_the_fragments_recent_ones(
     tiny_config_path, tmp_path
 ):
