@@ -21,6 +21,15 @@ per failure at scale (Young's interval shortens) but stalls the job more often,
 and the net falls short; a restart that grows with the number of slices, or
 begins again when a chip fails during it, widens the gap.
 
+Why, in closed form: take a renewal model of the job. It runs for an exponential time
+between failures (rate lambda = chips / chip_mtbi_s); each failure costs a down time D
+(detection and restart; failures during it are absorbed) and loses L seconds of work.
+Goodput is then A (1 - lambda L) / (1 + lambda D), A the share of chips at work. Fitted
+to the published row over A and D, its worst cell is 2.69 points off at L = 0 (A = 0.91,
+D = 65 s), 2.87 at L = 0.5 s, 3.06 at L = 1 s and 3.68 at L = 2.5 s (half a 5 s step, what
+a failure loses in flight here): the row is within 3 points only if a failure loses
+under about 0.9 s of work, i.e. with steps of a second or two at every size.
+
 A fixed global batch (``fixed_batch_chips``: steps shorten as chips are added, so a
 failure loses less work in flight at scale) gives the falling cost per failure that
 the table asks for. The same descent on eight weeks found ``fixed_batch_chips=150_000,
