@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--coordinator-nice", type=int, default=10, metavar="N",
                     help="the coordinator's nice offset on this machine, standing in for its "
                     "own host (default 10; 0: the ranks' priority)")  # fmt: skip
+    bi.add_argument("--paired", type=int, default=2, metavar="N",
+                    help="paired launches after the timed ones: the learner steps in every "
+                    "other block of inner steps, plain ZeRO-3 in between, both sides "
+                    "compared in one launch (default 2; 0: none)")  # fmt: skip
+    bi.add_argument("--paired-blocks", type=int, default=10, metavar="B",
+                    help="inner steps per block of the paired launches (default 10)")  # fmt: skip
     bq = bench.add_parser("quality", help="held-out loss and bytes per token: ZeRO-3 vs "
                           "sync DiLoCo vs Decoupled DiLoCo (ds_diloco/bench/quality.py)")  # fmt: skip
     bq.add_argument("--preset", choices=["tiny", "125m"], default="tiny",

@@ -229,6 +229,10 @@ class TrainConfig:
     """Seed of the island's (non-global) randomness."""
     step_delay_s: float = 0.0
     """Sleep this long after every inner step (benchmarks: a slower island)."""
+    sync_blocks: int = 0
+    """Measurement aid (``bench island``'s paired launches): the learner steps only in every
+    other block of this many inner steps, starting with the first; in the blocks between,
+    the loop is plain ZeRO-3 (nothing sent or applied). 0: in every step."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps into the island's workdir; a restarted island resumes from it (0: never)."""
@@ -236,6 +240,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.sync_blocks < 0:
+            raise ValueError(f"train.sync_blocks must be >= 0, got {self.sync_blocks}")
         for name in ("steps", "micro_batch", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -168,7 +168,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             time.sleep(t.step_delay_s)
         t1 = time.perf_counter()
         tokens += input_ids.numel() * world  # fixed-size blocks: the same on every rank
-        applied = learner.step(tokens=input_ids.numel())
+        on = not t.sync_blocks or (step - 1) // t.sync_blocks % 2 == 0  # the same on every rank
+        applied = learner.step(tokens=input_ids.numel()) if on else []
         t2 = time.perf_counter()
         step_s += t1 - t0
         sync_s += t2 - t1
@@ -225,6 +226,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "heldout_loss_end": end_loss,
         "stats": vars(learner.stats) if learner.stats else None,
         "plain": plain,
+        "sync_blocks": t.sync_blocks,  # bench island's paired launches
     }
     (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))
     if progress:

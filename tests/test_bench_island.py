@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -68,10 +69,14 @@ def tiny_run(tmp_path, tiny_config_path) -> RunConfig:
 
 def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_config_path):
     cfg = tiny_run(tmp_path, tiny_config_path)
-    bench = run_bench(cfg, repeats=1, warmup=2, workdir=tmp_path / "bench", memory_repeats=1)
+    bench = run_bench(
+        cfg, repeats=1, warmup=2, workdir=tmp_path / "bench", memory_repeats=1, paired=1,
+        paired_blocks=2,
+    )  # fmt: skip
 
     assert [(x.mode, x.exact_memory) for x in bench.launches] == [
-        ("plain", False), ("ds_diloco", False), ("plain", True), ("ds_diloco", True),
+        ("plain", False), ("ds_diloco", False), ("paired", False), ("plain", True),
+        ("ds_diloco", True),
     ]  # fmt: skip
     for x in bench.launches:
         assert len(x.ranks) == 2 and [r["rank"] for r in x.ranks] == [0, 1]
@@ -105,6 +110,20 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     assert ds.coordinator_versions is not None and max(ds.coordinator_versions) > 0
     assert all(max(r["versions"]) > 0 and r["stats"]["applied"] > 0 for r in ds.ranks), ds.ranks
     assert ds.coordinator_cpu_s is not None and ds.coordinator_cpu_s >= 0
+    # The paired launch's learner stepped only in its syncer-on blocks (steps 1-2, 5-6 of 8):
+    # at most one upload each (the all-on launch above sends one at every step).
+    paired = bench.of("paired")[0]
+    assert all(r["sync_blocks"] == 2 and r["plain"] is False for r in paired.ranks)
+    assert all(0 < r["stats"]["uploads"] - r["stats"]["flushed"] <= 4 for r in paired.ranks), [
+        r["stats"] for r in paired.ranks
+    ]
+    assert max(paired.coordinator_versions) > 0
+    pr = bench.paired()
+    assert pr["launches"] == 1 and (pr["blocks"], pr["settle"]) == (2, 1)
+    # block starts dropped, and warm-up: steps 6 (on) and 4, 8 (off) are compared
+    times = [max(s) for s in zip(*(r["step_times_s"] for r in paired.ranks))]
+    assert pr["on_s"] == times[5] and pr["off_s"] == statistics.median([times[3], times[7]])
+    assert pr["ratio"] == pytest.approx(pr["on_s"] / pr["off_s"])
     # The same job on both sides: the same shard of the same model on each rank.
     assert [r["shard_fp32_mb"] for r in plain.ranks] == [r["shard_fp32_mb"] for r in ds.ranks]
 
@@ -136,7 +155,9 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     assert report.count("ratio") >= 3 and "coordinator process" in report
     assert "MALLOC_MMAP_THRESHOLD_=131072" in report and "extra before the first step" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
-    assert len(summary["launches"]) == 4 and len(summary["rows"]) == 3
+    assert "paired (1 ds_diloco launch(es)" in report
+    assert summary["paired"]["ratio"] == pr["ratio"]
+    assert len(summary["launches"]) == 5 and len(summary["rows"]) == 3
     assert len(summary["memory_rows"]) == 3 and summary["settings"]["memory_repeats"] == 1
 
 
@@ -155,6 +176,7 @@ def test_cli_parses_bench_island_flags():
     args = cli.build_parser().parse_args(["bench", "island", "--steps", "7", "--json", "x.json"])
     got = (args.what, args.steps, args.repeats, args.run, args.json, args.coordinator_nice)
     assert got == ("island", 7, 3, None, "x.json", 10) and args.memory_repeats == 1
+    assert (args.paired, args.paired_blocks) == (2, 10)
     args = cli.build_parser().parse_args(["bench", "coordinator", "--repeats", "2"])
     assert (args.what, args.repeats, args.fragment_mb) == ("coordinator", 2, 64.0)
 

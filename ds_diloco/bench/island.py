@@ -21,6 +21,16 @@ are compared:
 - peak RSS ds_diloco - plain, goal: at most one fp32 copy of the rank's own
   shard (island-wide: of all the island's shards, i.e. one fp32 model).
 
+On this machine the same plain launch's median step moves by 5-20 % from launch to
+launch (450-560 ms within one run), more than the goal. ``paired`` launches (``--paired``,
+after the timed ones) put both sides in one launch: the learner steps only in every other
+block of ``--paired-blocks`` inner steps, and the blocks between run the plain ZeRO-3
+loop (nothing sent or applied; the syncer's threads wait idle). Each block's first tau + 1
+steps are dropped on both sides (the other side's downloads, merges and catch-up applies
+still running), then the island's median step in the syncer-on blocks is divided by the
+median in the off blocks, per launch. The process is the same on both sides (the base
+copy is held throughout), so this measures time, not memory.
+
 Memory is judged on launches of their own (``memory_repeats``, after the timed
 ones), run with ``EXACT_MEMORY_ENV``: with glibc's default, a rank's peak RSS
 moves by 20-60 MB between launches of the same plain job (freed tensors stay
@@ -90,6 +100,11 @@ DEFAULT_STEPS = 60
 COORDINATOR_NICE = 10
 """The coordinator's nice offset here (see the module docstring): it stands in for a host of its own."""
 MODES = ("plain", "ds_diloco")
+PAIRED = "paired"
+"""A ds_diloco launch whose learner steps only in every other block of inner steps
+(``train.sync_blocks``): both sides of the comparison in one launch, step by step."""
+PAIRED_BLOCK_STEPS = 10
+"""``--paired``: inner steps per block; blocks alternate, syncer on, syncer off."""
 EXACT_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 """glibc: every allocation of 128 KiB or more is a mapping of its own, returned to the
 system when freed. By default the threshold adapts upwards (to 32 MiB) and freed
@@ -164,6 +179,22 @@ class Launch:
     """CPU seconds (user + system) the coordinator used while the island ran."""
     exact_memory: bool = False
     """A memory launch (``EXACT_MEMORY_ENV``): its memory figures count, not its times."""
+    blocks: int = 0
+    """A paired launch: inner steps per block (syncer on, off, on, ...)."""
+    settle: int = 0
+    """A paired launch: steps dropped at the start of every block (the other side's
+    background work still running: downloads and merges of the last sends)."""
+
+    def block_step_s(self, on: bool) -> float:
+        """A paired launch: median island step time in its syncer-on (or -off) blocks,
+        after warm-up and each block's first ``settle`` steps."""
+        times = [max(s) for s in zip(*(r["step_times_s"] for r in self.ranks))]
+        picked = [
+            t for i, t in enumerate(times)
+            if i >= self.warmup and i % self.blocks >= self.settle
+            and (i // self.blocks % 2 == 0) == on
+        ]  # fmt: skip
+        return statistics.median(picked)
 
     def summaries(self, rank: int) -> list[dict]:
         """One rank's summary, or (``rank`` -1) every rank's."""
@@ -197,6 +228,8 @@ class Launch:
             "island_cpu_s": self.island_cpu_s,
             "coordinator_cpu_s": self.coordinator_cpu_s,
             "exact_memory": self.exact_memory,
+            "blocks": self.blocks,
+            "settle": self.settle,
             "ranks": self.ranks,
         }
 
@@ -248,15 +281,21 @@ def launch(
     timeout_s: float | None = None,
     coordinator_nice: int = 0,
     exact_memory: bool = False,
+    blocks: int = PAIRED_BLOCK_STEPS,
 ) -> Launch:
-    """Run ``cfg``'s first island once in ``mode`` (``plain`` or ``ds_diloco``), fresh.
+    """Run ``cfg``'s first island once in ``mode`` (``plain``, ``ds_diloco`` or ``paired``:
+    ds_diloco with the learner stepping in every other block of ``blocks`` steps), fresh.
 
     ``exact_memory``: the ranks run with ``EXACT_MEMORY_ENV`` (their resident memory
     follows their live memory; for the memory figures, not the timing).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in (*MODES, PAIRED):
+        raise ValueError(f"mode must be one of {(*MODES, PAIRED)}, got {mode!r}")
     plain = mode == "plain"
+    if mode == PAIRED:
+        if blocks < 1:
+            raise ValueError(f"--paired-blocks must be >= 1, got {blocks}")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sync_blocks=blocks))
     spec = cfg.islands[0]
     cfg = dataclasses.replace(
         cfg,
@@ -313,6 +352,8 @@ def launch(
         coordinator_versions=versions,
         coordinator_cpu_s=cpu_s,
         exact_memory=exact_memory,
+        blocks=blocks if mode == PAIRED else 0,
+        settle=min(blocks - 1, cfg.coordinator.policy.tau + 1) if mode == PAIRED else 0,
     )
 
 
@@ -438,6 +479,25 @@ class IslandBench:
         """The timed launches of ``mode``."""
         return [x for x in self.launches if x.mode == mode and not x.exact_memory]
 
+    def paired(self) -> dict | None:
+        """The paired launches' figures (None if none ran): per launch, the island's median
+        step with the syncer on and off in its blocks, their ratio; medians over launches."""
+        runs = self.of(PAIRED)
+        if not runs:
+            return None
+        on, off = [x.block_step_s(True) for x in runs], [x.block_step_s(False) for x in runs]
+        ratios = [a / b for a, b in zip(on, off)]
+        return {
+            "launches": len(runs),
+            "blocks": runs[0].blocks,
+            "settle": runs[0].settle,
+            "on_s": statistics.median(on),
+            "off_s": statistics.median(off),
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "met": statistics.median(ratios) <= STEP_GOAL,
+        }
+
     def memory_of(self, mode: str) -> list[Launch]:
         """The memory launches of ``mode`` (``EXACT_MEMORY_ENV``)."""
         return [x for x in self.launches if x.mode == mode and x.exact_memory]
@@ -545,9 +605,14 @@ def run_bench(
     echo=None,
     coordinator_nice: int = COORDINATOR_NICE,
     memory_repeats: int = 1,
+    paired: int = 0,
+    paired_blocks: int = PAIRED_BLOCK_STEPS,
 ) -> IslandBench:
     """``repeats`` rounds of (plain, ds_diloco) timed launches of ``cfg``'s first island,
+    then ``paired`` paired launches (blocks of ``paired_blocks`` steps, syncer on and off),
     then ``memory_repeats`` rounds of memory launches (``EXACT_MEMORY_ENV``)."""
+    if paired < 0:
+        raise ValueError(f"--paired must be >= 0, got {paired}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if memory_repeats < 0:
@@ -562,12 +627,15 @@ def run_bench(
     root = Path(tempfile.mkdtemp(prefix="ds-diloco-bench-island-")) if own else Path(workdir)
     launches = []
     try:
-        rounds = [(r, False) for r in range(repeats)] + [(r, True) for r in range(memory_repeats)]
-        for r, exact in rounds:
-            for mode in MODES:
+        rounds = [(r, False, MODES) for r in range(repeats)]
+        rounds += [(r, False, (PAIRED,)) for r in range(paired)]
+        rounds += [(r, True, MODES) for r in range(memory_repeats)]
+        for r, exact, modes in rounds:
+            for mode in modes:
                 x = launch(
                     cfg, mode, root / f"{r}-{mode}{'-memory' if exact else ''}", repeat=r,
                     warmup=warmup, coordinator_nice=coordinator_nice, exact_memory=exact,
+                    blocks=paired_blocks,
                 )  # fmt: skip
                 launches.append(x)
                 if echo:
@@ -607,7 +675,7 @@ def _launch_line(x: Launch) -> str:
         for i, r in enumerate(x.ranks)
     )
     extra = ""
-    if x.mode == "ds_diloco":
+    if x.mode != "plain":
         v = x.coordinator_versions or [0]
         cpu = "?" if x.coordinator_cpu_s is None else f"{x.coordinator_cpu_s:.1f} s"
         extra = f"  coordinator versions {min(v)}..{max(v)}, cpu {cpu}"
@@ -689,6 +757,20 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
         f"    (island step over launches: plain {_ms(plain[0])}..{_ms(plain[1])}, ds_diloco "
         f"{_ms(ds[0])}..{_ms(ds[1])})"
     )
+    pr = bench.paired()
+    if pr:
+        lines.append(
+            f"  paired ({pr['launches']} ds_diloco launch(es) whose learner steps only in every "
+            f"other block of {pr['blocks']} inner steps, the blocks between plain ZeRO-3; first "
+            f"{pr['settle']} steps of each block dropped; both sides in one launch, so the "
+            f"machine's launch-to-launch drift cancels):"
+        )
+        lines.append(
+            f"    island  syncer off {_ms(pr['off_s'])}  on {_ms(pr['on_s'])}  ratio "
+            f"{pr['ratio']:.3f}  ({'met' if pr['met'] else 'MISSED'})  [per launch: "
+            + ", ".join(f"{r:.3f}" for r in pr["ratios"])
+            + "]"
+        )
     lines.extend(_memory_lines(bench, rows))
     lines.append(
         "where the overhead goes (means per step over all steps, warm-up included; medians "
@@ -747,6 +829,7 @@ def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
         },
         "rows": [r.to_json() for r in bench.rows()],
         "memory_rows": [m.to_json() for m in bench.memory_rows()],
+        "paired": bench.paired(),
         "coordinator_cpu_s": bench.coordinator_cpu_s,
         "island_cpu_s": {m: bench.island_cpu_s(m) for m in MODES},
         "launches": [x.to_json() for x in bench.launches],
@@ -773,13 +856,15 @@ def main(args) -> int:
         cfg = default_run_config(args.steps or DEFAULT_STEPS)
     print(
         f"bench island: {args.repeats} x (plain, ds_diloco) timed launches and "
-        f"{getattr(args, 'memory_repeats', 1)} x memory launches of {cfg.train.steps} steps ...",
+        f"{getattr(args, 'paired', 0)} paired and {getattr(args, 'memory_repeats', 1)} x memory "
+        f"launches of {cfg.train.steps} steps ...",
         flush=True,
     )
     bench = run_bench(
         cfg, args.repeats, echo=lambda line: print(line, flush=True),
         coordinator_nice=getattr(args, "coordinator_nice", COORDINATOR_NICE),
-        memory_repeats=getattr(args, "memory_repeats", 1),
+        memory_repeats=getattr(args, "memory_repeats", 1), paired=getattr(args, "paired", 0),
+        paired_blocks=getattr(args, "paired_blocks", PAIRED_BLOCK_STEPS),
     )  # fmt: skip
     print(format_report(bench, cfg), flush=True)
     if args.json:
