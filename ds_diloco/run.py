@@ -425,8 +425,10 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
         tok = AutoTokenizer.from_pretrained(export_dir)
         ids = tok(cfg.prompt, return_tensors="pt").input_ids
         torch.manual_seed(0)
-        gen = model.generate(ids, max_new_tokens=60, do_sample=True, top_k=40, temperature=0.8,
-                             pad_token_id=tok.pad_token_id)  # fmt: skip
+        # At least 40 new tokens: the demo's merged model, seed 0, ended "ROMEO:" with an EOS
+        # at once and the sample printed was the prompt alone.
+        gen = model.generate(ids, max_new_tokens=60, min_new_tokens=40, do_sample=True, top_k=40,
+                             temperature=0.8, pad_token_id=tok.pad_token_id)  # fmt: skip
         out["sample"] = tok.decode(gen[0], skip_special_tokens=True)
     return out
 

@@ -82,6 +82,7 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
          summary["heldout_loss_merged"]]}  # a string: pytest cuts a long dict short
     )  # fmt: skip
     assert summary["sample"].startswith("Shall I")
+    assert len(summary["sample"]) > len("Shall I") + 20, summary["sample"]  # not the prompt alone
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
     assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
