@@ -190,7 +190,7 @@ class Launch:
     def block_step_s(self, on: bool) -> float:
         """A paired launch: median island step time in its syncer-on (or -off) blocks,
         after warm-up and each block's first ``settle`` steps."""
-        times = [max(s) for s in zip(*(r["step_times_s"] for r in self.ranks))]
+        times = self._island_times()
         picked = [
             t for i, t in enumerate(times)
             if i >= self.warmup and i % self.blocks >= self.settle
@@ -198,16 +198,18 @@ class Launch:
         ]  # fmt: skip
         return statistics.median(picked)
 
+    def _island_times(self) -> list[float]:
+        """Per step, the slowest rank's time (the ranks meet in every step's collectives:
+        the slowest sets the pace), warm-up included."""
+        return [max(s) for s in zip(*(r["step_times_s"] for r in self.ranks))]
+
     def summaries(self, rank: int) -> list[dict]:
         """One rank's summary, or (``rank`` -1) every rank's."""
         return self.ranks if rank < 0 else [self.ranks[rank]]
 
     def step_times(self, rank: int) -> list[float]:
         """Step times after warm-up: of one rank, or (``rank`` -1) per step the slowest rank's."""
-        if rank < 0:  # the ranks meet in every step's collectives: the slowest sets the pace
-            times = [max(s) for s in zip(*(r["step_times_s"] for r in self.ranks))]
-        else:
-            times = self.ranks[rank]["step_times_s"]
+        times = self._island_times() if rank < 0 else self.ranks[rank]["step_times_s"]
         return times[self.warmup :] if len(times) > self.warmup else times
 
     def step_s(self, rank: int = -1) -> float:
@@ -295,8 +297,6 @@ def launch(
         raise ValueError(f"mode must be one of {(*MODES, PAIRED)}, got {mode!r}")
     plain = mode == "plain"
     if mode == PAIRED:
-        if blocks < 1:
-            raise ValueError(f"--paired-blocks must be >= 1, got {blocks}")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sync_blocks=blocks))
     spec = cfg.islands[0]
     cfg = dataclasses.replace(
@@ -489,15 +489,16 @@ class IslandBench:
             return None
         on, off = [x.block_step_s(True) for x in runs], [x.block_step_s(False) for x in runs]
         ratios = [a / b for a, b in zip(on, off)]
+        ratio = statistics.median(ratios)
         return {
             "launches": len(runs),
             "blocks": runs[0].blocks,
             "settle": runs[0].settle,
             "on_s": statistics.median(on),
             "off_s": statistics.median(off),
-            "ratio": statistics.median(ratios),
+            "ratio": ratio,
             "ratios": ratios,
-            "met": statistics.median(ratios) <= STEP_GOAL,
+            "met": ratio <= STEP_GOAL,
         }
 
     def memory_of(self, mode: str) -> list[Launch]:
@@ -615,6 +616,8 @@ def run_bench(
     then ``memory_repeats`` rounds of memory launches (``EXACT_MEMORY_ENV``)."""
     if paired < 0:
         raise ValueError(f"--paired must be >= 0, got {paired}")
+    if paired_blocks < 1:  # before the timed launches, not minutes into the run
+        raise ValueError(f"--paired-blocks must be >= 1, got {paired_blocks}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if memory_repeats < 0:
