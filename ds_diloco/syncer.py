@@ -3,7 +3,11 @@
 A rank owns a flat slice of every parameter (ZeRO-3's layout; the whole tensor
 when the world size is 1). For each fragment it keeps the last global value of
 its own slices (fp32: one extra copy of its shard), and when the fragment is
-due it sends ``base - local`` with the fragment's counters. Uploads and the
+due it sends ``base - local`` with the fragment's counters. The pseudo-gradient
+is computed in place in the base and sent from there: no buffer of its own. The
+base then holds the upload until a download writes it again: the fragment's
+merged result, or (the upload failed, was dropped or its result was lost) the
+version it started from, fetched again before the fragment's next send. Uploads and the
 wait for the merged result run in a background thread: the training loop
 calls :meth:`FragmentSyncer.on_step` after each inner step and never blocks on
 the network. A merged fragment is applied at the first step boundary at or
@@ -44,6 +48,14 @@ HEARTBEAT_S = 2.0  # longest silence towards the coordinator: its lease (island_
 BACKGROUND_NICE = 10
 """OS priority offset of the transport threads: on cores that training keeps busy they
 run in its gaps (collective waits) instead of taking time slices from the inner step."""
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t`` (fp32, host), without a temporary of its size: a float64 sum
+    of float32 values cannot overflow, and is NaN or Inf exactly when one of them is.
+    numpy, single-threaded: a torch op here would start an OpenMP team in this thread,
+    competing with training for the cores."""
+    return math.isfinite(np.add.reduce(t.numpy(), dtype=np.float64))
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -105,6 +117,11 @@ class _Slot:
     # its result is applied (then the steps since the upload are kept; see _apply).
     sent_values: dict[str, torch.Tensor] | None = None
     sent_counts: tuple[int, int] = (0, 0)
+    # The base holds the pseudo-gradient of the upload at sent_step (computed in place, no
+    # buffer of its own), not global values, until a download writes it; ``sending``: that
+    # upload's body, which aliases the base, is not sent yet, and no download may write it.
+    holds_upload: bool = False
+    sending: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # base memory
 
     @property
@@ -120,7 +137,6 @@ class SyncStats:
     failed: int = 0
     bad_responses: int = 0
     applied: int = 0
-    superseded: int = 0  # unsent uploads replaced by a newer one of the same fragment
     skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn, or ...
     skipped_late: int = 0  # ... its last result came H steps late: applied at the send step
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
@@ -177,13 +193,14 @@ class FragmentSyncer:
         self.slots = [_Slot(base) for base in self._base_views()]
         self.stats = SyncStats()
         self._lock = threading.Lock()  # slot state (not base memory: that is slot.lock)
-        # Fragments waiting to be sent, oldest first, and the newest payload of each: a newer
-        # pseudo-gradient of a fragment subsumes an older unsent one (same base, more steps),
-        # so an outage leaves at most one pending upload per fragment, not one per step.
+        # Fragments waiting to be sent, oldest first, and the payload of each. At most one
+        # per fragment: its base holds the pseudo-gradient until the body is sent, and the
+        # fragment is not sent again before a download has written the base.
         self._uploads: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
+        self._flushing = False  # every base holding an upload is fetched again (flush)
         # Phase alignment. With K = 1 a round closes on the first island's upload (plus the
         # grace window); an island whose sends come later in wall time than the others'
         # finds every upload stale and every one dropped, round after round. The
@@ -356,6 +373,8 @@ class FragmentSyncer:
         # good (a coordinator restart) stops no send.
         if slot.in_flight and step - slot.sent_step < self.schedule.sync_every:
             return f"the result of its upload at step {slot.sent_step} is still on the way"
+        if slot.holds_upload:  # the downloader fetches the version again (_wanted)
+            return f"its base went out with the upload at step {slot.sent_step}: fetched again"
         return ""
 
     def _apply_agreed(self, pairs, held: list[int], lows: list[int], highs: list[int]) -> list[int]:
@@ -425,14 +444,16 @@ class FragmentSyncer:
             return
         # No download writes this base now: the caller holds its lock, or it was applied
         # this step (a download only writes a slot that waits for a result).
-        with slot.lock:
+        with slot.lock, torch.no_grad():
             # On the host whatever device the shard lives on (the base copy is host memory).
             # keep_local_steps holds on to a copy (read() is a live view of the shard).
             copy = self.keep_local_steps
             local = {n: self.access.read(n).to("cpu", copy=copy) for n in frag.names}
-            delta = {n: slot.base[n] - local[n] for n in frag.names}
+            # In place: the base becomes the pseudo-gradient, and the body aliases it.
+            delta = {n: slot.base[n].sub_(local[n]) for n in frag.names}
             if copy:
                 slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
+            del local
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,
@@ -444,12 +465,9 @@ class FragmentSyncer:
             steps=max(slot.steps, 1),
         )
         with self._lock:
-            slot.in_flight = True
-            if frag.index in self._pending:
-                self.stats.superseded += 1
-            else:
-                self._uploads.put(frag.index)
+            slot.in_flight = slot.holds_upload = slot.sending = True
             self._pending[frag.index] = (header, delta)
+            self._uploads.put(frag.index)
 
     def _apply(self, frag: Fragment, slot: _Slot, blend: bool) -> None:
         """Write the fragment's global values (in ``slot.base``) into the local ones.
@@ -488,6 +506,9 @@ class FragmentSyncer:
         """
         self._count_network_call()
         with slot.lock:
+            with self._lock:
+                if slot.sending:  # its base is an upload's body, not sent yet
+                    return False
             try:
                 version = self.client.download_into(
                     frag.index, self.world_size, self.rank, slot.base, after=after,
@@ -495,9 +516,7 @@ class FragmentSyncer:
                 )  # fmt: skip
                 problem = None
                 if version is not None:
-                    # numpy, single-threaded: a torch op here would start an OpenMP team
-                    # in this thread, competing with training for the cores.
-                    bad = [n for n, t in slot.base.items() if not np.isfinite(t.numpy()).all()]
+                    bad = [n for n, t in slot.base.items() if not _all_finite(t)]
                     problem = f"{bad[0]}: NaN or Inf" if bad else None
             except (RefusedError, wire.WireError) as e:
                 version, problem = None, str(e)
@@ -526,9 +545,9 @@ class FragmentSyncer:
                 )
             with self._lock:
                 if torn:
-                    slot.version = -1
+                    slot.version, slot.holds_upload = -1, False
                 elif version is not None:
-                    slot.version, slot.refetch = version, False
+                    slot.version, slot.refetch, slot.holds_upload = version, False, False
             return version is not None and not torn
 
     # ---------------------------------------------------------- network side
@@ -553,17 +572,22 @@ class FragmentSyncer:
                 header, delta = self._pending.pop(index)
             keys = [(header.fragment, n) for n in delta]  # its error-feedback residuals
             body = self._encode(header, delta, keys)
-            # From here the pseudo-gradient is held only by the body, and the client drops
-            # that once the bytes are sent: not while the coordinator works on them, nor
-            # while this thread waits for the next upload (memory goal: one shard copy).
             del delta
-            if body is None or not self._upload(header, body, keys):
-                with self._lock:  # no result of this upload will come
-                    slot = self.slots[index]
+            slot = self.slots[index]
+            if self.feedback is not None:  # the compressed body is a buffer of its own
+                self._sent(slot)
+            accepted = body is not None and self._upload(header, body, keys)
+            self._sent(slot)  # the client dropped the body's parts once its bytes were sent
+            if not accepted:
+                with self._lock:  # no result of this upload will come: the base is fetched
                     if slot.sent_step == header.step:
                         slot.in_flight = False
             del body
             self._uploads.task_done()
+
+    def _sent(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.sending = False
 
     def _wanted(self) -> list[int | None]:
         """Per fragment, the version to fetch a newer one than (-1: any), or None: not now."""
@@ -571,8 +595,18 @@ class FragmentSyncer:
             if self._paused:
                 return [None] * len(self.slots)
             out: list[int | None] = []
+            step, cycle = self._last_step or 0, self.schedule.sync_every
             for s in self.slots:
-                if s.version < 0:  # torn by a bad download
+                if s.sending:  # the base is an upload's body until it is sent
+                    out.append(None)
+                elif s.version < 0:  # torn by a bad download
+                    out.append(-1)
+                elif s.holds_upload and (
+                    self._flushing or not s.in_flight or step - s.sent_step >= cycle
+                ):
+                    # No result will come (failed, dropped, or lost in a coordinator restart),
+                    # or the flush may send the fragment again: the base is fetched again,
+                    # whatever the version, before the next send.
                     out.append(-1)
                 elif s.refetch or (s.sent_step is not None and s.version == s.applied):
                     out.append(s.version)
@@ -629,8 +663,7 @@ class FragmentSyncer:
         ef = self.feedback
         if ef is None:
             return wire.upload_parts(header, delta)
-        # Compressed here, off the training thread, and only what is really sent (a
-        # superseded pending upload never touches the residuals). Error feedback: each
+        # Compressed here, off the training thread. Error feedback: each
         # slice's residual from the fragment's previous upload is added to this one.
         try:
             enc = {n: ef.compress(k, delta[n]) for k, n in zip(keys, delta)}
@@ -698,7 +731,8 @@ class FragmentSyncer:
         same ones, and give up at the same time):
 
         1. results in flight are applied once every rank holds them (at most
-           ``timeout_s / 2``; training is over, so tau is not waited for);
+           ``timeout_s / 2``; training is over, so tau is not waited for), and every
+           base that still holds an upload is fetched again;
         2. every fragment with steps since its last apply, and not sent at the last
            step already, is sent as :meth:`on_step` sends (each rank its slices,
            the island's tokens, step = the last step; a fragment whose result did
@@ -717,6 +751,8 @@ class FragmentSyncer:
         if self._last_step is None or not any(t.is_alive() for t in self._threads):
             return []
         t0 = time.monotonic()
+        with self._lock:
+            self._flushing = True
         self._settle(t0 + timeout_s / 2)
         sent = self._send_progress(self._last_step)
         self.stats.flushed += len(sent)
@@ -735,7 +771,7 @@ class FragmentSyncer:
             with self._lock:
                 held = [s.version if s.sent_step is not None and s.arrived else -1
                         for s in self.slots]  # fmt: skip
-                waiting = sum(s.in_flight for s in self.slots)
+                waiting = sum(s.in_flight or s.holds_upload for s in self.slots)
             late = int(time.monotonic() >= deadline)
             lows, highs, _ = self._agree([*held, waiting, late])
             # held is -1 for a slot that waits for no result: nothing applied or fetched there.
@@ -757,8 +793,8 @@ class FragmentSyncer:
         try:
             with self._lock:
                 usable = [
-                    int(s.version == s.applied >= 0 and not s.refetch and s.steps > 0
-                        and (s.sent_step is None or s.sent_step < step))
+                    int(s.version == s.applied >= 0 and not (s.refetch or s.holds_upload)
+                        and s.steps > 0 and (s.sent_step is None or s.sent_step < step))
                     for s in self.slots
                 ]  # fmt: skip
                 tokens = [s.tokens for s in self.slots]
@@ -791,3 +827,6 @@ class FragmentSyncer:
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for slot in self.slots:  # a body left unsent is dropped: a download may write
+                slot.sending = False

@@ -7,14 +7,15 @@ import os
 import struct
 import threading
 import time
-import weakref
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.coordinator import CoordinatorError
 from ds_diloco.fragments import FragmentPlan, Schedule
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
@@ -523,40 +524,101 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
             s.close()
 
 
-def test_a_sent_pseudo_gradient_is_freed_before_the_coordinator_answers(tiny_config_path, tmp_path):
-    # The memory goal allows one fp32 copy of the shard (the base) besides what is in
-    # flight, and an upload is in flight only until its bytes are sent: the body's parts
-    # are dropped then, not when the coordinator's answer comes (it may be busy merging).
-    # Earlier versions held the pseudo-gradient until the answer, and once until the
-    # next upload (two fragments' worth at once).
+def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanwhile(
+    tiny_config_path, tmp_path
+):
+    # The memory goal allows one fp32 copy of the shard (the base) and no more: the
+    # pseudo-gradient is computed in place in the base and the body aliases it. Until the
+    # body is sent, no download may write that base, even if a newer version is served.
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
-        refs, bodies, encode = [], [], s._encode
+        (other,) = island_syncers(srv, client, "b", model_from(tiny_config_path, 2), 1)
+        bodies, encode = [], s._encode
+        slot = s.slots[0]
+        base_ptrs = {n: t.data_ptr() for n, t in slot.base.items()}
 
         def spy(header, delta, keys):
-            refs.extend(weakref.ref(t) for t in delta.values())
-            bodies.append(encode(header, delta, keys))  # its parts alias the pseudo-gradient
+            assert {n: t.data_ptr() for n, t in delta.items()} == base_ptrs, "not the base"
+            bodies.append(encode(header, delta, keys))
             return bodies[-1]
 
         arrived, answer = threading.Event(), threading.Event()
         take = srv.coord.upload
 
-        def held_upload(body):  # the coordinator has the bytes and has not answered
-            arrived.set()
-            assert answer.wait(20.0)
+        def held_upload(body):  # a's bytes are in; its answer waits until b has merged
+            if wire.decode_upload(bytes(body))[0].island == "a":
+                arrived.set()
+                assert answer.wait(20.0)
             return take(body)
 
-        s._encode = spy  # the uploader thread looks both up per upload
+        s._encode = spy  # the uploader thread looks it up per upload
         srv.coord.upload = held_upload
-        s.bootstrap()
+        run_threads(s.bootstrap, other.bootstrap)
         try:
+            global0 = {n: t.clone() for n, t in slot.base.items()}
             train(s, range(1, 3), wait_results=False)  # fragment 0 is sent at step 2
+            local = {n: s.access.read(n).clone() for n in slot.base}  # a trains no more
             assert arrived.wait(10.0), "no upload reached the coordinator"
-            assert refs and bodies, "the upload went around the spy"
-            wait_for(lambda: all(r() is None for r in refs), timeout=5.0)
-            assert bodies[0].parts is None, "the sent body still holds the pseudo-gradient"
+            wait_for(lambda: bodies[0].parts is None, timeout=5.0)  # released once sent
+            # b's upload of fragment 0 merges: a newer version is served while a's body is
+            # in the coordinator's hands, and a's base still holds what it sent.
+            train(other, range(1, 3), wait_results=False)
+            wait_for(lambda: srv.coord.versions()[0] == 1)
+            time.sleep(0.3)  # a's downloader polls every 10 ms
+            for n, t in slot.base.items():
+                torch.testing.assert_close(t, global0[n] - local[n], rtol=0, atol=0)
         finally:
             answer.set()
-        wait_for(lambda: s.stats.uploads == 1)
+        # a's upload is stale now (dropped): its base is fetched again, at the new version.
+        wait_for(lambda: s.stats.uploads == 1 and s.stats.dropped == 1)
+        wait_for(lambda: slot.version == 1 and not slot.holds_upload)
+        served = srv.coord.global_tensors()
+        for n, t in slot.base.items():
+            torch.testing.assert_close(t, served[n].view(-1), rtol=0, atol=0)
+        s.close()
+        other.close()
+
+
+def test_a_base_that_went_out_with_a_failed_upload_is_fetched_again_before_the_next_send(
+    tiny_config_path, tmp_path
+):
+    # The upload is refused (the coordinator answers 4xx): no result will come, and the base
+    # holds the pseudo-gradient. The version it started from is fetched again, and the
+    # fragment's next send carries every step since (global - local), exactly.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
+        slot, refuse = s.slots[0], [True]
+        take = srv.coord.upload
+
+        def refusing(body):
+            if refuse[0]:
+                refuse[0] = False
+                raise CoordinatorError(400, "refused by the test")
+            return take(body)
+
+        srv.coord.upload = refusing
+        s.bootstrap()
+        global0 = {n: t.clone() for n, t in slot.base.items()}
+        start = {n: s.access.read(n).clone() for n in slot.base}
+        train(s, range(1, 3), wait_results=False)  # fragment 0 is sent at step 2: refused
+        wait_for(lambda: s.stats.refused == 1)
+        wait_for(lambda: not slot.holds_upload)
+        assert slot.version == slot.applied == 0 and srv.coord.versions() == [0, 0]
+        for n, t in slot.base.items():
+            torch.testing.assert_close(t, global0[n], rtol=0, atol=0)
+        sent = []
+
+        def spy(header, delta, keys):
+            sent.append((header, {n: t.clone() for n, t in delta.items()}))
+            return wire.upload_parts(header, delta)
+
+        s._encode = spy
+        train(s, range(3, 7), wait_results=False)  # sent again at step 6: 6 steps in it
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        ((header, delta),) = [u for u in sent if u[0].fragment == 0]  # fragment 1 went at 4
+        assert (header.step, header.steps, header.base_version) == (6, 6, 0)
+        for n, t in delta.items():
+            torch.testing.assert_close(t, global0[n] - (start[n] - 0.06), rtol=0, atol=1e-6)
         s.close()

@@ -560,9 +560,8 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             if name in counts:
                 counts[name]["sent"] = min(r["stats"]["uploads"] for r in rs)
                 counts[name]["skipped"] = min(r["stats"]["skipped"] for r in rs)
-                # replaced by the next send of the fragment before the uploader took it;
                 # never answered (coordinator unreachable) or refused
-                for f in ("superseded", "failed", "refused"):
+                for f in ("failed", "refused"):
                     counts[name][f] = max(r["stats"][f] for r in rs)
         run = status.get("run", {})
         by_staleness = {str(k): int(v) for k, v in sorted(run.get("by_staleness", {}).items())}
