@@ -174,7 +174,11 @@ class Setup:
     num_fragments: int = 12
     """P."""
     sync_every: int = 12
-    """H: a fragment is sent every H steps; one fragment every H / P steps."""
+    """H: a fragment is sent every H steps; one fragment every H / P steps. 12 (with P = 12)
+    over 10 (P = 10, 1.2x the bytes): on the tuning split (seeds 100, 101, outer lr 0.7,
+    momentum 0.4, run one after the other) sync DiLoCo 6.111 at H = 12 and 6.127 at H = 10,
+    Decoupled 6.101 and 6.127. The same H = 12 setting had given 6.097 and 6.076 in an earlier
+    run: about 0.02 of it is run-to-run noise (which uploads turn stale)."""
     tau: int = 2
     grace_gamma: float = 0.9
     """Decoupled DiLoCo's grace-window safety factor (sync DiLoCo: 0). 0.9, tuned: the grace
