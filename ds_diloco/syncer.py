@@ -51,11 +51,17 @@ run in its gaps (collective waits) instead of taking time slices from the inner 
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in ``t`` (fp32, host), without a temporary of its size: a float64 sum
-    of float32 values cannot overflow, and is NaN or Inf exactly when one of them is.
+    """No NaN or Inf in ``t`` (fp32, host), without a temporary: the maximum and minimum
+    are finite exactly when every value is (``np.maximum`` / ``np.minimum`` propagate NaN).
     numpy, single-threaded: a torch op here would start an OpenMP team in this thread,
-    competing with training for the cores."""
-    return math.isfinite(np.add.reduce(t.numpy(), dtype=np.float64))
+    competing with training for the cores. Not a float64 sum: numpy casts through a 64 KiB
+    buffer, below the allocator's mmap threshold, so it stayed resident in the download
+    thread's malloc arena (measured +64 kB per rank); float32 min/max reduce in place, and
+    run 2-3x faster."""
+    x = t.numpy()
+    return x.size == 0 or (
+        math.isfinite(np.maximum.reduce(x)) and math.isfinite(np.minimum.reduce(x))
+    )
 
 
 def _lower_thread_priority(nice: int) -> None:
