@@ -148,7 +148,7 @@ class SyncStats:
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
     bytes_sent: int = 0  # upload bodies the coordinator answered (payload, scales, header)
     network_calls_in_loop: int = (
-        0  # requests made by the training thread after bootstrap: must stay 0
+        0  # requests made by the training thread after bootstrap, before flush: must stay 0
     )
     phase_shifts: int = 0  # times the island moved its send phase earlier (stale uploads)
     phase: int = 0  # steps the send schedule now runs ahead of the inner steps (mod H)
@@ -658,7 +658,7 @@ class FragmentSyncer:
                     self._fetch(frag, slot, after=None if w < 0 else w)
 
     def _count_network_call(self) -> None:
-        if threading.get_ident() == self._train_thread:
+        if threading.get_ident() == self._train_thread and not self._flushing:
             self.stats.network_calls_in_loop += 1
 
     def _encode(self, header: wire.UploadHeader, delta, keys: list) -> wire.Body | None:
@@ -759,7 +759,7 @@ class FragmentSyncer:
         t0 = time.monotonic()
         with self._lock:
             self._flushing = True
-        self._settle(t0 + timeout_s / 2)
+        self._settle(t0 + timeout_s / 2, refetch=True)
         sent = self._send_progress(self._last_step)
         self.stats.flushed += len(sent)
         self.stats.flush_unsettled += self._settle(t0 + timeout_s)
@@ -770,10 +770,21 @@ class FragmentSyncer:
         )  # fmt: skip
         return sent
 
-    def _settle(self, deadline: float) -> int:
+    def _settle(self, deadline: float, refetch: bool = False) -> int:
         """Apply results as every rank gets them until no rank waits for one, or until
-        some rank's ``deadline`` has passed; returns this rank's uploads still waiting."""
+        some rank's ``deadline`` has passed; returns this rank's uploads still waiting.
+
+        ``refetch``: fetch every base that still holds a sent upload again from this
+        thread. The downloader would too, but only once its long poll (up to
+        ``long_poll_s``) returns, which may be after a short flush gave up (then the
+        fragment's progress could not be sent)."""
         while True:
+            if refetch:
+                for frag, slot in zip(self.plan.fragments, self.slots):
+                    with self._lock:
+                        holds = slot.holds_upload and not slot.sending
+                    if holds:
+                        self._fetch(frag, slot, after=None)
             with self._lock:
                 held = [s.version if s.sent_step is not None and s.arrived else -1
                         for s in self.slots]  # fmt: skip
