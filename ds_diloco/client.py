@@ -100,10 +100,19 @@ class CoordinatorClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._token = token
         self._headers = {"Authorization": f"Bearer {token}"}
         self._local = threading.local()  # this thread's connection
         self._conns: list[http.client.HTTPConnection] = []  # every thread's, for close()
         self._conns_lock = threading.Lock()
+
+    def with_limits(self, timeout_s: float, retries: int = 0) -> CoordinatorClient:
+        """A new client to the same coordinator (connections of its own) that waits at most
+        ``timeout_s`` for a connection or an answer and retries ``retries`` times."""
+        return CoordinatorClient(
+            self.url, self._token, timeout_s=timeout_s, retries=retries,
+            backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ transport
     def _conn(self) -> http.client.HTTPConnection:

@@ -504,7 +504,7 @@ class FragmentSyncer:
         if flush is not None:
             flush()
 
-    def _fetch(self, frag: Fragment, slot: _Slot, after: int | None) -> bool:
+    def _fetch(self, frag: Fragment, slot: _Slot, after: int | None, client=None) -> bool:
         """Download a newer version of ``frag`` into ``slot.base``; True if one came. Never raises.
 
         A bad or broken answer may have overwritten part of the base: the slot is then
@@ -516,7 +516,7 @@ class FragmentSyncer:
                 if slot.sending:  # its base is an upload's body, not sent yet
                     return False
             try:
-                version = self.client.download_into(
+                version = (client or self.client).download_into(
                     frag.index, self.world_size, self.rank, slot.base, after=after,
                     island=self.island,
                 )  # fmt: skip
@@ -775,16 +775,15 @@ class FragmentSyncer:
         some rank's ``deadline`` has passed; returns this rank's uploads still waiting.
 
         ``refetch``: fetch every base that still holds a sent upload again from this
-        thread. The downloader would too, but only once its long poll (up to
+        thread, once. The downloader would too, but only once its long poll (up to
         ``long_poll_s``) returns, which may be after a short flush gave up (then the
-        fragment's progress could not be sent)."""
+        fragment's progress could not be sent). Tried once per slot, without retries and
+        never waiting past ``deadline``: a coordinator down at the end must not hold the
+        flush beyond its bound (the downloader keeps trying meanwhile)."""
+        tried: set[int] = set()
         while True:
             if refetch:
-                for frag, slot in zip(self.plan.fragments, self.slots):
-                    with self._lock:
-                        holds = slot.holds_upload and not slot.sending
-                    if holds:
-                        self._fetch(frag, slot, after=None)
+                self._refetch_held(deadline, tried)
             with self._lock:
                 held = [s.version if s.sent_step is not None and s.arrived else -1
                         for s in self.slots]  # fmt: skip
@@ -800,6 +799,19 @@ class FragmentSyncer:
                 with self._lock:
                     return sum(s.in_flight for s in self.slots)
             time.sleep(self.poll_s)
+
+    def _refetch_held(self, deadline: float, tried: set[int]) -> None:
+        for frag, slot in zip(self.plan.fragments, self.slots):
+            with self._lock:
+                holds = slot.holds_upload and not slot.sending
+            left = deadline - time.monotonic()
+            if holds and frag.index not in tried and left > 0:
+                tried.add(frag.index)
+                client = self.client.with_limits(timeout_s=left)
+                try:
+                    self._fetch(frag, slot, after=None, client=client)
+                finally:
+                    client.close()
 
     def _send_progress(self, step: int) -> list[int]:
         """Send, at ``step``, every fragment with steps since its last apply (the island agrees)."""

@@ -7,12 +7,14 @@ import os
 import struct
 import threading
 import time
+from urllib.parse import urlsplit
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import wire
+from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import CoordinatorError
@@ -409,6 +411,28 @@ def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
         assert {k: v["complete"] for k, v in pending.items()} == {"0": ["a"], "1": ["a"]}
         assert srv.coord._frags[0].complete["a"].step == 3
         for s in ranks:
+            s.close(timeout=5)
+
+
+def test_a_flush_keeps_its_bound_when_the_coordinator_stalls(tiny_config_path, tmp_path):
+    # The flush fetches the bases that hold an upload itself (the downloader may be in a
+    # long poll); with the coordinator stalled (every connection and byte held 30 s), that
+    # fetch must not hold the flush past its bound.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        url = urlsplit(srv.url)
+        with ChaosProxy(url.hostname, url.port) as proxy:
+            client = CoordinatorClient(proxy.url, "t", retries=0)
+            ranks = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=2)
+            client.register("idle", 1, srv.coord.plan.signature)  # live, never uploads
+            run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 4), False)) for s in ranks])
+            wait_for(lambda: "0" in srv.coord.status()["pending"])  # fragment 0's upload is in
+            wait_for(lambda: not any(s.slots[0].sending for s in ranks))
+            proxy.set(delay_s=30.0)
+            t0 = time.monotonic()
+            run_threads(*[lambda s=s: s.flush(timeout_s=2) for s in ranks])
+            assert time.monotonic() - t0 < 8
+            assert all(s.stats.flush_unsettled >= 1 for s in ranks)
+        for s in ranks:  # the proxy is gone: the threads' requests fail and they stop
             s.close(timeout=5)
 
 
