@@ -23,6 +23,10 @@ import torch
 
 from ds_diloco.config import ModelSource
 from ds_diloco.sharding import shard_numel
+from ds_diloco.state_store import atomic_write
+
+LATEST = "latest"
+"""The file in a checkpoint folder naming its newest complete checkpoint (DeepSpeed's name)."""
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +156,17 @@ class ZeroShardAccess:
 
 
 def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep: int = 2) -> None:
-    """A ZeRO-3 checkpoint of every rank's partitions (a collective); keeps the last ``keep``."""
-    engine.save_checkpoint(str(directory), tag=f"step{step}", client_state=client_state)
+    """A ZeRO-3 checkpoint of every rank's partitions (a collective); keeps the last ``keep``.
+
+    The ``latest`` pointer is written here, atomically, once every rank's files are saved:
+    DeepSpeed writes its own in place (open, truncate, write), and an island killed in
+    between left it empty, so that every restart failed to load (seen in the chaos test).
+    """
+    tag = f"step{step}"
+    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+    torch.distributed.barrier()  # every rank's files are in place
     if torch.distributed.get_rank() == 0:
+        atomic_write(directory / LATEST, tag.encode())
         tags = sorted(
             (p for p in directory.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:])
         )
@@ -165,11 +177,18 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
 
 def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens)."""
-    if not (directory / "latest").exists():
+    pointer = directory / LATEST
+    if not pointer.exists():
         return 0, 0
-    path, client_state = engine.load_checkpoint(str(directory))
+    tag = pointer.read_text().strip()
+    if not tag or not (directory / tag).is_dir():
+        raise RuntimeError(
+            f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
+            "start the island afresh, or point the file at a complete step* folder"
+        )
+    path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
-        raise RuntimeError(f"could not load the checkpoint named in {directory / 'latest'}")
+        raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
     return int(client_state["step"]), int(client_state["tokens"])
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_diloco import zero
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator
 from ds_diloco.hf_model import build_model, lm_loss
@@ -284,3 +285,12 @@ def test_fine_tuning_starts_from_the_pretrained_folder(island, tmp_path):
         with torch.no_grad():
             expected = model(input_ids=r["ids"]).logits
         assert torch.allclose(r["logits"], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pointer", ["", "step40"])
+def test_a_checkpoint_pointer_naming_no_checkpoint_is_refused_with_its_path(tmp_path, pointer):
+    # An island killed while DeepSpeed rewrote its 'latest' left it empty, and DeepSpeed's
+    # load then failed with a bare AssertionError on every restart (the chaos test).
+    (tmp_path / "latest").write_text(pointer)
+    with pytest.raises(RuntimeError, match=r"latest names no checkpoint"):
+        zero.load_checkpoint(None, tmp_path)
