@@ -6,23 +6,26 @@ import argparse
 import logging
 import sys
 
+from ds_diloco import gc_tuning
+
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 
 def _coordinator(args) -> int:
-    from ds_diloco.config import load_coordinator_config
-    from ds_diloco.server import serve_forever
+    with gc_tuning.paused_for_setup():  # until the server listens
+        from ds_diloco.config import load_coordinator_config
+        from ds_diloco.server import serve_forever
 
-    cfg = load_coordinator_config(args.config)
-    serve_forever(cfg)
+        serve_forever(load_coordinator_config(args.config))
     return 0
 
 
 def _island(args) -> int:
-    from ds_diloco.config import load_island_config
-    from ds_diloco.island import run_island
+    with gc_tuning.paused_for_setup():  # until the first step
+        from ds_diloco.config import load_island_config
+        from ds_diloco.island import run_island
 
-    run_island(load_island_config(args.config), plain=args.plain)
+        run_island(load_island_config(args.config), plain=args.plain)
     return 0
 
 
@@ -271,5 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def program() -> int:
+    """``main`` as a process (the console script, ``python -m ds_diloco.cli``): exits
+    without the interpreter's last full collection."""
+    code = main()
+    gc_tuning.before_exit()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())

@@ -24,14 +24,17 @@ import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from ds_diloco.state_store import atomic_write
+
+if TYPE_CHECKING:  # imported where used: a rank whose blocks are cached never needs it (1.4 s)
+    import datasets
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Ids 0, 1, 2 in this order, as model_configs/tiny-llama.json expects."""
@@ -136,14 +139,13 @@ def train_tokenizer(
     return hf
 
 
-_LOADERS = {
-    ".json": datasets.Dataset.from_json,
-    ".jsonl": datasets.Dataset.from_json,
-    ".parquet": datasets.Dataset.from_parquet,
-}
+_LOADERS = {".json": "from_json", ".jsonl": "from_json", ".parquet": "from_parquet"}
+"""File suffix -> the ``datasets.Dataset`` constructor that reads it."""
 
 
 def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
+    import datasets
+
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise ValueError(f"split {split!r} not found; the dataset has {sorted(ds)}")
@@ -168,6 +170,8 @@ def load_text_dataset(
     loadable dataset folder), or a name for ``datasets.load_dataset``. Local paths
     never reach the network.
     """
+    import datasets
+
     sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not sources:
         raise ValueError("load_text_dataset: no source given")
@@ -190,7 +194,7 @@ def load_text_dataset(
         parts.append(datasets.Dataset.from_dict({"text": paragraphs}))
     for suffix, loader in _LOADERS.items():
         if group := [f for f in files if Path(f).suffix == suffix]:
-            parts.append(_text_column(loader(group), text_field, split))
+            parts.append(_text_column(getattr(datasets.Dataset, loader)(group), text_field, split))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ds_diloco import zero
+from ds_diloco import gc_tuning, zero
 from ds_diloco.config import IslandConfig
 from ds_diloco.data import BlockLoader, eval_blocks, heldout_split, prepare_corpus, split_blocks
 from ds_diloco.hf_model import lm_loss
@@ -156,6 +156,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     step_times = []  # whole steps, sync included: what the benchmark compares
     setup_rss_mb, step_rss_mb = _rss_mb(), []  # where a rank's memory goes (bench island)
     slow = _FaultHook(workdir, rank)
+    gc_tuning.resume_after_setup()  # the same in both modes, before the first timed step
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()

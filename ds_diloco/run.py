@@ -368,17 +368,36 @@ class Board:
 
 
 def _signal_group(p: subprocess.Popen, sig) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, sig)
+    """Signal ``p``'s process group: also after ``p`` itself exited, while its children live."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is still in the process group ``pgid``: the
+    launcher's children can outlive it (its ``launch.py`` waits for the ranks it stops)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)"
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> None:
-    try:
+    """Until ``p`` and every process of its group are gone; SIGKILL the group after
+    ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(subprocess.TimeoutExpired):
         p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    while _group_alive(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if p.poll() is None or _group_alive(p.pid):
         _signal_group(p, signal.SIGKILL)
         p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _group_alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def resume_point(cfg: RunConfig) -> dict:

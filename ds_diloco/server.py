@@ -21,7 +21,7 @@ import threading
 import numpy as np
 from aiohttp import web
 
-from ds_diloco import wire
+from ds_diloco import gc_tuning, wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.metrics import prometheus_text
@@ -355,6 +355,7 @@ def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
         server = build_server(cfg)
         host, port = await server.start(cfg.host, cfg.port)
         log.info("coordinator listening on http://%s:%d", host, port)
+        gc_tuning.resume_after_setup()
         if ready is not None:
             ready(host, port)
         stop = asyncio.Event()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_diloco import run as run_mod
 from ds_diloco.config import load_run_config
 from ds_diloco.export import load_global_tensors
 from ds_diloco.run import LocalRun
@@ -232,11 +233,34 @@ def test_ctrl_c_stops_every_process_and_saves_the_coordinator(tmp_path, tiny_con
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out
     # Nothing of the run is left running: no island rank, launcher or coordinator.
-    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    leftovers = subprocess.run(["pgrep", "-af", str(workdir)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout
     # The coordinator saved on its way out: its state has the merges it made.
     state = json.loads((workdir / "state" / "coordinator.json").read_text())
     assert sum(state["merges"]) >= 1
+
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(0)))  # as launch.py does
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stopping_waits_for_the_children_that_outlive_the_launcher():
+    # A launcher that dies at once on SIGTERM, and a child of its process group that takes
+    # 0.5 s to stop: the run's wait ends only when the child is gone too.
+    leader = subprocess.Popen(
+        ["bash", "-c", f'{sys.executable} -c "$0" & sleep 60', CHILD],
+        start_new_session=True, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert leader.stdout.readline() == "up\n"
+    t0 = time.monotonic()
+    run_mod._signal_group(leader, signal.SIGTERM)
+    run_mod._wait(leader, 10)
+    assert not run_mod._group_alive(leader.pid)
+    assert 0.4 < time.monotonic() - t0 < 5
 
 
 def test_cpu_ranks_share_the_cores_whatever_omp_num_threads_the_caller_has(
