@@ -2,8 +2,9 @@
 
 Importing torch, DeepSpeed and transformers and building an engine leaves about half a
 million Python objects that live as long as the process. CPython's cyclic collector
-walks all of them in every full collection: measured here, about a fifth of a rank's
-imports (11.5 s with it on, 9.3 s off) and 3.0 s at interpreter exit (0.3 s frozen);
+walks all of them in every full collection: measured here, a tenth to a fifth of a
+rank's imports (10.6-12.0 s with it on, 9.3-9.5 s off) and 3.0 s at interpreter exit
+(0.3 s frozen);
 in training, a full collection can land inside one rank's step while the others wait
 for it in the next collective. torchtitan turns automatic collection off for the same
 reason. We keep it off during set-up, then collect once and freeze what survived (the

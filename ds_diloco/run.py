@@ -199,8 +199,7 @@ class LocalRun:
             rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
                 continue
-            with contextlib.suppress(ProcessLookupError):  # ranks the launcher left behind
-                os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind
             n = self.restarts.get(name, 0)
             if n >= self.cfg.max_restarts:
                 self.given_up.add(name)
@@ -384,20 +383,26 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether the process group ``pgid`` empties within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _wait(p: subprocess.Popen, timeout: float) -> None:
     """Until ``p`` and every process of its group are gone; SIGKILL the group after
     ``timeout`` s."""
     deadline = time.monotonic() + timeout
     with contextlib.suppress(subprocess.TimeoutExpired):
         p.wait(timeout=timeout)
-    while _group_alive(p.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if p.poll() is None or _group_alive(p.pid):
+    if p.poll() is None or not _group_gone(p.pid, deadline - time.monotonic()):
         _signal_group(p, signal.SIGKILL)
         p.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while _group_alive(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _group_gone(p.pid, 10)
 
 
 def resume_point(cfg: RunConfig) -> dict:
