@@ -2,8 +2,8 @@
 
 Starts the coordinator (``ds-diloco coordinator``) and every island through the
 deepspeed launcher (each island its own process group and master port), shows
-progress, stops everything cleanly on Ctrl-C, and at the end exports the merged
-model and compares it with the initial one on held-out text.
+progress, stops everything cleanly on Ctrl-C or SIGTERM, and at the end exports the
+merged model and compares it with the initial one on held-out text.
 
 Layout of the run's workdir::
 
@@ -272,6 +272,42 @@ class LocalRun:
         return f"[{' | '.join(cells) or 'starting'}]  {coord}"
 
 
+class Stopped(KeyboardInterrupt):
+    """The run was told to stop by a signal: SIGINT (Ctrl-C) or SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Inside, SIGINT and SIGTERM raise :class:`Stopped` in the main thread, whatever the
+    process inherited: the islands and the coordinator live in process groups of their
+    own, so a run killed outright would leave them all running (``kill PID``, a scheduler's
+    stop), and a run started in the background by a shell inherits SIGINT ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    stopping = False
+
+    def raise_stopped(signum, _frame):
+        nonlocal stopping
+        if stopping:  # the stop under way has bounded waits, then kills: let it finish
+            print(f"{signal.Signals(signum).name}: already stopping", flush=True)
+            return
+        stopping = True
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def _status_or_none(client: CoordinatorClient) -> dict | None:
     try:
         return client.status()
@@ -472,59 +508,61 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     heldout = heldout[:64]
     t0 = time.monotonic()
     code, final_status = 0, None
-    try:
-        client = lr.start_coordinator()
-        print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
-        board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
-        exports = PeriodicExport(cfg, lr)
-        if point is None:
-            lr.start_islands()
-        else:
-            st = client.status()
-            where = {n: "finished" if p.get("done") else f"from step {p['step']}"
-                     for n, p in point.items()}  # fmt: skip
-            print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
-                  f"islands {where}", flush=True)  # fmt: skip
-            if exports.every:  # the next export after the merges made already
-                exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
-            board.read = {p.parent.name: p.stat().st_size  # records already on the board
-                          for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
-            for shard, spec in enumerate(cfg.islands):
-                if not point[spec.name].get("done"):
-                    lr.start_island(spec, shard, len(cfg.islands))
-        sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
-        print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
-        next_print = time.monotonic()
-        while not lr.finished():
-            lr.supervise()
-            if time.monotonic() >= next_print:
-                print(lr.progress_line(client), flush=True)
-                status = _status_or_none(client)
-                board.write(status)
-                exports.maybe(status)
-                next_print += PROGRESS_EVERY_S
-            time.sleep(0.2)
-        print(lr.progress_line(client), flush=True)
-        final_status = _status_or_none(client)
-        exports.maybe(final_status)  # a short run may cross its first export only at the end
-        exports.join()
-        board.write(final_status)
-        board.close()
-        failed = lr.failed_islands()
-        if failed:
-            print(f"islands failed: {failed} (see their log.txt)", flush=True)
-            code = 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping islands and coordinator ...", flush=True)
-        code = 130
-    finally:
-        lr.stop()
+    with stop_on_signals():
+        try:
+            client = lr.start_coordinator()
+            print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
+            board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
+            exports = PeriodicExport(cfg, lr)
+            if point is None:
+                lr.start_islands()
+            else:
+                st = client.status()
+                where = {n: "finished" if p.get("done") else f"from step {p['step']}"
+                         for n, p in point.items()}  # fmt: skip
+                print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
+                      f"islands {where}", flush=True)  # fmt: skip
+                if exports.every:  # the next export after the merges made already
+                    exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
+                board.read = {p.parent.name: p.stat().st_size  # records already on the board
+                              for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
+                for shard, spec in enumerate(cfg.islands):
+                    if not point[spec.name].get("done"):
+                        lr.start_island(spec, shard, len(cfg.islands))
+            sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
+            print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
+            next_print = time.monotonic()
+            while not lr.finished():
+                lr.supervise()
+                if time.monotonic() >= next_print:
+                    print(lr.progress_line(client), flush=True)
+                    status = _status_or_none(client)
+                    board.write(status)
+                    exports.maybe(status)
+                    next_print += PROGRESS_EVERY_S
+                time.sleep(0.2)
+            print(lr.progress_line(client), flush=True)
+            final_status = _status_or_none(client)
+            exports.maybe(final_status)  # a short run may cross its first export only at the end
+            exports.join()
+            board.write(final_status)
+            board.close()
+            failed = lr.failed_islands()
+            if failed:
+                print(f"islands failed: {failed} (see their log.txt)", flush=True)
+                code = 1
+        except KeyboardInterrupt as e:  # Stopped, or Ctrl-C where its handler was not ours
+            why = f" ({e})" if isinstance(e, Stopped) else ""
+            print(f"\ninterrupted{why}: stopping islands and coordinator ...", flush=True)
+            code = e.exit_code if isinstance(e, Stopped) else 130
+        finally:
+            lr.stop()
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts}  # fmt: skip
     if point is not None:
         summary["resumed_from"] = point
-    if code != 130 and final_status is not None:
+    if code < 128 and final_status is not None:  # not stopped by a signal
         summary["goodput"] = final_status["run"]["goodput"]
         summary["uptime"] = final_status["run"]["uptime"]
         summary["coordinator"] = final_status

@@ -25,6 +25,8 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     # over 100 steps and trains alone at the end, so the global model overfitted: held-out
     # 6.13 and 6.16 against 6.26 at the start (failed in 2 of 5 loaded runs; at outer
     # momentum 0.4, 7.2-7.9 in 3 of 3). At one block a step, 5 of 5 loaded runs fell 0.77-1.0.
+    # A step takes at least 0.08 s: on a fast machine (36 ms steps) island "a" had finished
+    # its 300 steps before the coordinator was killed at COORD_AT, and the kill never came.
     run_file = tmp_path / "run.json"
     run_file.write_text(json.dumps({
         "workdir": str(tmp_path / "run"),
@@ -33,7 +35,7 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
         "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 64,
                  "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
         "train": {"steps": 300, "micro_batch": 1, "lr": 3e-3, "log_every": 10,
-                  "checkpoint_every": 5},
+                  "checkpoint_every": 5, "step_delay_s": 0.08},
         "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
         "coordinator": {"num_fragments": 4, "sync_every": 4, "island_timeout_s": 3.0,
                         "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1}},

@@ -75,11 +75,13 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(tmp_path, tiny_c
     first = ds_diloco_run(run_file, "--resume", timeout=60)
     assert first.returncode == 2 and "nothing to resume" in first.stderr, first.stderr
 
-    # 1. Ctrl-C once both islands are past a checkpoint or two.
+    # 1. Ctrl-C once both islands are past a checkpoint or two. Started with SIGINT ignored,
+    # as a shell starts a background job: the run installs its own handler.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     progress = {n: workdir / "islands" / n / "progress.jsonl" for n in ("a", "b")}
     try:
@@ -92,7 +94,12 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(tmp_path, tiny_c
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, logs(workdir, out)
+        # Where the run's own stop failed, its islands and coordinator (process groups of
+        # their own) outlive it: take them down before asserting, so they do not run on.
+        leftovers = subprocess.run(["pkill", "-KILL", "-e", "-f", str(workdir)],
+                                   capture_output=True, text=True).stdout  # fmt: skip
+    assert proc.returncode == 130 and "interrupted (SIGINT)" in out, logs(workdir, out)
+    assert leftovers.strip() == "", leftovers  # no rank, launcher or coordinator left
     stopped = load_global(workdir / "state")  # what the coordinator served last, on disk
     merges = json.loads((workdir / "state" / "coordinator.json").read_text())["merges"]
     ckpt = {n: int((workdir / "islands" / n / "checkpoints" / "latest").read_text()[4:])
