@@ -1,10 +1,11 @@
 """The coordinator's HTTP service (aiohttp). Wire API: docs/wire-api.md.
 
-The event loop only moves bytes: decoding, validation and merges run in a
-thread pool, so health, status and downloads keep being served while a
-fragment merges; a download is sent straight from the served values, which a
-merge never writes in place. A small round loop closes rounds when the policy
-says so: right after a contribution completes, and at the grace-window deadlines.
+The event loop moves bytes and takes in small uploads (``INLINE_UPLOAD_BYTES``);
+decoding and validating larger ones, and merges, run in a thread pool, so health,
+status and downloads keep being served while a fragment merges; a download is sent
+straight from the served values, which a merge never writes in place. A small round
+loop closes rounds when the policy says so: right after a contribution completes, and
+at the grace-window deadlines.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ _MAX_WAIT_S = 30.0  # longest long poll
 _READ_BUFSIZE = 16 * 1024 * 1024
 _SMALL_WRITE = 64 * 1024  # download parts below this are joined before sending
 _KEEP_BUFFER_BYTES = 512 * 1024 * 1024  # upload buffers kept for reuse, at most
+INLINE_UPLOAD_BYTES = 4 * 1024 * 1024
+"""Uploads up to this size are taken in on the event loop, larger ones in the thread pool.
+Decoding, checking and copying a small body costs less than the hop to a worker thread
+and back (two thread wake-ups): on ``ds-diloco bench coordinator``'s round workload (2
+ranks upload their halves of a 2 MiB fragment, merge, 2 downloads), three interleaved runs
+of 200 rounds took 10.3-11.2 ms of coordinator CPU a round with every upload in the pool
+and 9.4-10.2 ms with these on the loop (wall time per round 15.5-16.6 and 13.7-15.5 ms).
+A 4 MiB body holds the loop for about a millisecond (decode, check for NaN, squared
+norms, copy into its row)."""
 
 
 def _coalesce(parts, small: int = _SMALL_WRITE):
@@ -230,7 +240,10 @@ class CoordinatorServer:
         # Once upload() has returned or refused, it holds nothing of the body: the buffer is
         # free again. Not when cancelled: the worker thread may still be reading it.
         try:
-            reply = await self._run(self.coord.upload, body)
+            if len(body) <= INLINE_UPLOAD_BYTES:
+                reply = self.coord.upload(body)
+            else:
+                reply = await self._run(self.coord.upload, body)
         except CoordinatorError:
             self._buffers.give(body)
             raise

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_diloco import server as server_mod
 from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, RefusedError, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
@@ -558,3 +559,38 @@ def test_stop_ends_the_round_loop_even_as_a_merge_kicks_it(tiny_config_path, tmp
     finally:
         srv._loop.call_soon_threadsafe(srv._loop.stop)
     assert server._round_task.done()
+
+
+INLINE_DEFAULT = server_mod.INLINE_UPLOAD_BYTES
+
+
+@pytest.mark.parametrize("inline_bytes, where", [(INLINE_DEFAULT, "loop"), (0, "pool")])
+def test_small_uploads_are_taken_in_on_the_loop_and_large_ones_in_the_pool(
+    tiny_config_path, tmp_path, monkeypatch, inline_bytes, where
+):
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
+    with ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1)) as srv:
+        taken_in, upload = [], srv.coord.upload
+        loop_thread = srv._thread.ident
+
+        def spy(body):
+            taken_in.append("loop" if threading.get_ident() == loop_thread else "pool")
+            return upload(body)
+
+        monkeypatch.setattr(srv.coord, "upload", spy)
+        client = client_for(srv)
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        client.register("a", 1, plan.signature)
+        frag = plan.fragments[0]
+        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                              step=4, tokens=64, steps=4)  # fmt: skip
+        body = wire.encode_upload(h, delta)
+        assert 0 < len(body) <= INLINE_DEFAULT
+        assert client.upload_body(body)["complete"]
+        assert taken_in == [where]
+        deadline = time.monotonic() + 10  # and it is merged either way
+        while client.versions()[0] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        client.close()

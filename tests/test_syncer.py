@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_diloco import server as server_mod
 from ds_diloco import wire
 from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.client import CoordinatorClient
@@ -549,11 +550,14 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
 
 
 def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanwhile(
-    tiny_config_path, tmp_path
+    tiny_config_path, tmp_path, monkeypatch
 ):
     # The memory goal allows one fp32 copy of the shard (the base) and no more: the
     # pseudo-gradient is computed in place in the base and the body aliases it. Until the
     # body is sent, no download may write that base, even if a newer version is served.
+    # Uploads are taken in by the server's thread pool here: the held one below would
+    # hold the event loop, and b's upload with it.
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", 0)
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1)
