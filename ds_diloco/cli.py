@@ -36,6 +36,25 @@ def _run(args) -> int:
     return run(load_run_config(args.file), resume=args.resume)
 
 
+def _stoppable(fn):
+    """A command that starts islands or a coordinator (in process groups of their own):
+    SIGINT and SIGTERM raise in it, so its ``finally`` stops them (``LocalRun.stop``)
+    instead of leaving them running; it exits with 128 + the signal."""
+
+    def command(args) -> int:
+        from ds_diloco.run import Stopped, stop_on_signals
+
+        with stop_on_signals():
+            try:
+                return fn(args)
+            except Stopped as e:
+                print(f"ds-diloco: stopped ({e})", file=sys.stderr)
+                return e.exit_code
+
+    return command
+
+
+@_stoppable
 def _bench(args) -> int:
     if args.what == "coordinator":
         from ds_diloco.bench.coordinator import main as bench_main
@@ -48,6 +67,7 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+@_stoppable
 def _chaos(args) -> int:
     from ds_diloco.chaos.harness import main as chaos_main
 

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -96,3 +101,33 @@ def test_cli_prints_the_table_and_writes_the_json_summary(tmp_path, capsys):
         assert c["baseline"]["bytes_per_s"] > 0
     [rounds] = summary["round_cpu"]  # 0.5 MiB is below the tiny Llama's fragment: one size
     assert rounds["rounds"] == 4 and rounds["versions"][1] - rounds["versions"][0] == 4
+
+
+def test_sigterm_stops_the_bench_and_the_coordinator_process_it_started(tmp_path):
+    # The coordinator of part (c) is a child of the bench; SIGTERM to the bench alone must
+    # not leave it running (the bench's cleanup runs: exit 128 + 15).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = ["bench", "coordinator", "--fragment-mb", "0.5", "--repeats", "50"]
+    proc = subprocess.Popen([sys.executable, "-m", "ds_diloco.cli", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    children = []
+    try:
+        deadline = time.monotonic() + 50
+        while not children:
+            assert proc.poll() is None and time.monotonic() < deadline, "no coordinator started"
+            found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "ds_diloco.cli coordinator"],
+                                   capture_output=True, text=True).stdout.split()  # fmt: skip
+            children = [int(pid) for pid in found]
+            time.sleep(0.1)
+        time.sleep(1.0)  # its rounds under way
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped (SIGTERM)" in out
+    assert alive == [], f"coordinator process(es) {alive} outlived the bench"
