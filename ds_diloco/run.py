@@ -493,6 +493,52 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
     return out
 
 
+def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict | None]:
+    """Start the coordinator and the islands (or resume them at ``point``), supervise them
+    until every island is done, and return (exit code, the coordinator's last status)."""
+    client = lr.start_coordinator()
+    print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
+    board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
+    exports = PeriodicExport(cfg, lr)
+    if point is None:
+        lr.start_islands()
+    else:
+        st = client.status()
+        where = {n: "finished" if p.get("done") else f"from step {p['step']}"
+                 for n, p in point.items()}  # fmt: skip
+        print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
+              f"islands {where}", flush=True)  # fmt: skip
+        if exports.every:  # the next export after the merges made already
+            exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
+        board.read = {p.parent.name: p.stat().st_size  # records already on the board
+                      for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
+        for shard, spec in enumerate(cfg.islands):
+            if not point[spec.name].get("done"):
+                lr.start_island(spec, shard, len(cfg.islands))
+    sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
+    print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
+    next_print = time.monotonic()
+    while not lr.finished():
+        lr.supervise()
+        if time.monotonic() >= next_print:
+            print(lr.progress_line(client), flush=True)
+            status = _status_or_none(client)
+            board.write(status)
+            exports.maybe(status)
+            next_print += PROGRESS_EVERY_S
+        time.sleep(0.2)
+    print(lr.progress_line(client), flush=True)
+    final_status = _status_or_none(client)
+    exports.maybe(final_status)  # a short run may cross its first export only at the end
+    exports.join()
+    board.write(final_status)
+    board.close()
+    failed = lr.failed_islands()
+    if failed:
+        print(f"islands failed: {failed} (see their log.txt)", flush=True)
+    return (1 if failed else 0), final_status
+
+
 def run(cfg: RunConfig, resume: bool = False) -> int:
     """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
     from ds_diloco.data import heldout_split, prepare_corpus, tokenizer_dir
@@ -510,47 +556,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     code, final_status = 0, None
     with stop_on_signals():
         try:
-            client = lr.start_coordinator()
-            print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
-            board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
-            exports = PeriodicExport(cfg, lr)
-            if point is None:
-                lr.start_islands()
-            else:
-                st = client.status()
-                where = {n: "finished" if p.get("done") else f"from step {p['step']}"
-                         for n, p in point.items()}  # fmt: skip
-                print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
-                      f"islands {where}", flush=True)  # fmt: skip
-                if exports.every:  # the next export after the merges made already
-                    exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
-                board.read = {p.parent.name: p.stat().st_size  # records already on the board
-                              for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
-                for shard, spec in enumerate(cfg.islands):
-                    if not point[spec.name].get("done"):
-                        lr.start_island(spec, shard, len(cfg.islands))
-            sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
-            print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
-            next_print = time.monotonic()
-            while not lr.finished():
-                lr.supervise()
-                if time.monotonic() >= next_print:
-                    print(lr.progress_line(client), flush=True)
-                    status = _status_or_none(client)
-                    board.write(status)
-                    exports.maybe(status)
-                    next_print += PROGRESS_EVERY_S
-                time.sleep(0.2)
-            print(lr.progress_line(client), flush=True)
-            final_status = _status_or_none(client)
-            exports.maybe(final_status)  # a short run may cross its first export only at the end
-            exports.join()
-            board.write(final_status)
-            board.close()
-            failed = lr.failed_islands()
-            if failed:
-                print(f"islands failed: {failed} (see their log.txt)", flush=True)
-                code = 1
+            code, final_status = _drive(cfg, lr, point)
         except KeyboardInterrupt as e:  # Stopped, or Ctrl-C where its handler was not ours
             why = f" ({e})" if isinstance(e, Stopped) else ""
             print(f"\ninterrupted{why}: stopping islands and coordinator ...", flush=True)
