@@ -557,10 +557,9 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     with stop_on_signals():
         try:
             code, final_status = _drive(cfg, lr, point)
-        except KeyboardInterrupt as e:  # Stopped, or Ctrl-C where its handler was not ours
-            why = f" ({e})" if isinstance(e, Stopped) else ""
-            print(f"\ninterrupted{why}: stopping islands and coordinator ...", flush=True)
-            code = e.exit_code if isinstance(e, Stopped) else 130
+        except Stopped as e:
+            print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
+            code = e.exit_code
         finally:
             lr.stop()
     wall = time.monotonic() - t0
