@@ -37,6 +37,7 @@ compared. The ratios are the result; absolute figures depend on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -552,9 +553,22 @@ def _time_rounds(
         ]
         dest = [{n: torch.empty_like(t) for n, t in s.items()} for s in slices]
         del full
+        # One thread per rank for the whole run, as an island's transport threads: each
+        # keeps its keep-alive connection (a thread per round measured connection set-up).
+        total = warmup + rounds
+        start = threading.Barrier(world_size + 1, timeout=120)  # a stuck rank fails the run
+        done = threading.Barrier(world_size + 1, timeout=120)
         errors: list[BaseException] = []
+        bases = [0]
 
-        def rank(r: int, step: int, base: int) -> None:
+        def rank(r: int) -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):  # the run stopped
+                for step in range(1, total + 1):
+                    start.wait()
+                    one_rank_round(r, step, bases[0])
+                    done.wait()
+
+        def one_rank_round(r: int, step: int, base: int) -> None:
             try:
                 header = wire.UploadHeader(
                     island="bench", rank=r, world_size=world_size, fragment=0,
@@ -571,26 +585,28 @@ def _time_rounds(
             except BaseException as e:  # reported by the main thread
                 errors.append(e)
 
-        def one_round(step: int) -> None:
-            base = clients[0].versions()[0]
-            threads = [
-                threading.Thread(target=rank, args=(r, step, base)) for r in range(world_size)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        def one_round() -> None:
+            bases[0] = clients[0].versions()[0]
+            start.wait()
+            done.wait()
             if errors:
                 raise RuntimeError(f"a rank failed: {errors[0]!r}") from errors[0]
 
-        for step in range(1, warmup + 1):
-            one_round(step)
-        v0 = clients[0].versions()[0]
-        c0, t0 = process_cpu_s(proc.pid), time.perf_counter()
-        for step in range(warmup + 1, warmup + rounds + 1):
-            one_round(step)
-        cpu, wall = process_cpu_s(proc.pid) - c0, time.perf_counter() - t0
-        v1 = clients[0].versions()[0]
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(warmup):
+                one_round()
+            v0 = clients[0].versions()[0]
+            c0, t0 = process_cpu_s(proc.pid), time.perf_counter()
+            for _ in range(rounds):
+                one_round()
+            cpu, wall = process_cpu_s(proc.pid) - c0, time.perf_counter() - t0
+            v1 = clients[0].versions()[0]
+        finally:
+            start.abort()  # a failed round leaves the rank threads at a barrier
+            done.abort()
     finally:
         for c in clients:
             c.close()  # an open keep-alive connection would hold up the server's stop
