@@ -324,6 +324,16 @@ class FragmentSyncer:
             if slot.sent_step is not None and step >= self.schedule.apply_at(slot.sent_step)
         ]
         p = self.schedule.due(step + self.phase)
+        if self.align_phase and (due or p is not None):
+            # Fragments with no upload waiting for a result take the versions merged
+            # without this island (it was late, or a shift skipped its send): else their
+            # base stays a version behind and the next upload is stale on arrival, and the
+            # next, round after round. Rides on the agreement this step holds anyway.
+            due += [
+                (frag, slot)
+                for frag, slot in zip(self.plan.fragments, self.slots)
+                if slot.sent_step is None
+            ]
         send = self.slots[p] if p is not None else None
         # The fragment due now is sent only if every rank's base holds the version its local
         # values started from (none has a newer one waiting to be applied, or a download
@@ -614,7 +624,9 @@ class FragmentSyncer:
                     # or the flush may send the fragment again: the base is fetched again,
                     # whatever the version, before the next send.
                     out.append(-1)
-                elif s.refetch or (s.sent_step is not None and s.version == s.applied):
+                elif s.refetch or (
+                    s.version == s.applied and (s.sent_step is not None or self.align_phase)
+                ):  # a result of its upload; with phase alignment, any newer version
                     out.append(s.version)
                 else:
                     out.append(None)

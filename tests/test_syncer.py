@@ -446,12 +446,17 @@ def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_con
         )  # fmt: skip
         a.bootstrap(), b.bootstrap()
         # Step 1: "a" sends fragment 0 and K = 1 closes the round at once; "b" sends its
-        # fragment 0 0.3 s later, against the version that round replaced: stale.
+        # fragment 0 0.3 s later, against the version that round replaced: stale. (Its
+        # downloader is held meanwhile: it would take the new version first, see below.)
+        with b._lock:
+            b._paused = True
         train(a, range(1, 2), False)
         wait_for(lambda: srv.coord.versions()[0] == 1)
         time.sleep(0.3)
         train(b, range(1, 2), False)
         wait_for(lambda: b.stats.dropped == 1)
+        with b._lock:
+            b._paused = False
         assert b.phase == 0 and b.stats.phase_shifts == 0  # nothing moves between steps
         time.sleep(1.0)  # "b"'s steps take about 1 s: 0.3 s late is one step
         train(b, range(2, 3), False)  # the island agrees on the shift with this step's send
@@ -650,3 +655,38 @@ def test_a_base_that_went_out_with_a_failed_upload_is_fetched_again_before_the_n
         for n, t in delta.items():
             torch.testing.assert_close(t, global0[n] - (start[n] - 0.06), rtol=0, atol=1e-6)
         s.close()
+
+
+@pytest.mark.parametrize("align_phase", [True, False])
+def test_with_phase_alignment_a_fragment_merged_without_the_island_is_taken_before_its_send(
+    tiny_config_path, tmp_path, align_phase
+):
+    # K = 1: "a" sends fragment 0 at step 2 and the round closes without "b". With phase
+    # alignment "b" takes that version before its own send of fragment 0 (its steps on
+    # the fragment are lost either way: against the old version its upload is stale), so
+    # its upload at step 6 is fresh. Without it, b sends against the old version first.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        a, b = (
+            island_syncers(srv, client, name, model_from(tiny_config_path, 0), 1,
+                           align_phase=align_phase)[0]
+            for name in ("a", "b")
+        )  # fmt: skip
+        a.bootstrap(), b.bootstrap()
+        train(a, range(1, 3), False)
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        if align_phase:
+            wait_for(lambda: b.slots[0].arrived)  # fetched although b sent nothing
+        train(b, range(1, 3), False)
+        wait_for(lambda: b._uploads.unfinished_tasks == 0)
+        if align_phase:
+            assert b.versions()[0] == 1 and b.stats.dropped == 0
+            assert b.stats.skipped_late == 1  # nothing trained on it since: not sent
+        else:
+            assert b.versions()[0] == 0 and b.stats.dropped == 1  # stale on arrival
+        train(b, range(3, 7), False)  # fragment 1 at step 4, fragment 0 again at step 6
+        wait_for(lambda: b._uploads.unfinished_tasks == 0)
+        islands = srv.coord.status()["islands"]
+        assert islands["b"]["dropped"] == (0 if align_phase else 1), islands["b"]
+        for s in (a, b):
+            s.close()
