@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -24,6 +25,22 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": True,
 }
+
+
+@pytest.fixture
+def kill_leftovers():
+    """``kill_leftovers(workdir)``: SIGKILL every process whose command line names the run's
+    folder, returning what was killed ("" when the run's own stop took everything down).
+
+    Where a run's stop fails, its islands and coordinator (process groups of their own)
+    outlive it: a test takes them down before asserting, so that they do not run on.
+    """
+
+    def kill(workdir) -> str:
+        return subprocess.run(["pkill", "-KILL", "-e", "-f", str(workdir)],
+                              capture_output=True, text=True).stdout  # fmt: skip
+
+    return kill
 
 
 @pytest.fixture

@@ -66,7 +66,9 @@ def logs(workdir: Path, out: str) -> str:
 
 
 @pytest.mark.timeout(600)  # 1.5-2 min on 2 free cores; more on a loaded machine
-def test_stopped_run_resumes_and_its_export_starts_the_next_run(tmp_path, tiny_config_path):
+def test_stopped_run_resumes_and_its_export_starts_the_next_run(
+    tmp_path, tiny_config_path, kill_leftovers
+):
     run_file = write_run_file(tmp_path, "run1", {"config": tiny_config_path, "seed": 0}, STEPS,
                               checkpoint_every=5, step_delay_s=0.1)  # fmt: skip
     workdir = tmp_path / "run1"
@@ -94,10 +96,7 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(tmp_path, tiny_c
     finally:
         if proc.poll() is None:
             proc.kill()
-        # Where the run's own stop failed, its islands and coordinator (process groups of
-        # their own) outlive it: take them down before asserting, so they do not run on.
-        leftovers = subprocess.run(["pkill", "-KILL", "-e", "-f", str(workdir)],
-                                   capture_output=True, text=True).stdout  # fmt: skip
+        leftovers = kill_leftovers(workdir)
     assert proc.returncode == 130 and "interrupted (SIGINT)" in out, logs(workdir, out)
     assert leftovers.strip() == "", leftovers  # no rank, launcher or coordinator left
     stopped = load_global(workdir / "state")  # what the coordinator served last, on disk

@@ -211,7 +211,9 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
         lr.stop()
 
 
-def test_sigterm_stops_every_process_and_saves_the_coordinator(tmp_path, tiny_config_path):
+def test_sigterm_stops_every_process_and_saves_the_coordinator(
+    tmp_path, tiny_config_path, kill_leftovers
+):
     # SIGTERM (``kill PID``, a scheduler's stop) as Ctrl-C: the islands and the coordinator
     # are in process groups of their own, so the run must stop them before it exits.
     # (Ctrl-C itself: test_resume_e2e.py.)
@@ -233,10 +235,7 @@ def test_sigterm_stops_every_process_and_saves_the_coordinator(tmp_path, tiny_co
     finally:
         if proc.poll() is None:
             proc.kill()
-        # Where the run's own stop failed, its islands and coordinator (process groups of
-        # their own) outlive it: take them down before asserting, so they do not run on.
-        leftovers = subprocess.run(["pkill", "-KILL", "-e", "-f", str(workdir)],
-                                   capture_output=True, text=True).stdout  # fmt: skip
+        leftovers = kill_leftovers(workdir)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "interrupted (SIGTERM)" in out
     # Nothing of the run is left running: no island rank, launcher or coordinator.
