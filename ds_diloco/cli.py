@@ -257,10 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="variants: Decoupled DiLoCo with these stale modes, comma-separated "
                     "(drop, next, next-sgd, async; default next; 'none': no variant)")  # fmt: skip
     bq.add_argument("--no-sync", action="store_true",
-                    help="skip synchronous DiLoCo (e.g. with --aligned-phase: a paired A/B)")  # fmt: skip
-    bq.add_argument("--aligned-phase", action="store_true",
-                    help="also run Decoupled DiLoCo with phase alignment (experimental), "
-                    "every seed")  # fmt: skip
+                    help="skip synchronous DiLoCo (e.g. with --fixed-phase: a paired A/B)")  # fmt: skip
+    bq.add_argument("--fixed-phase", action="store_true",
+                    help="also run Decoupled DiLoCo without phase alignment (every island "
+                    "keeps the schedule's send phase), every seed")  # fmt: skip
     bq.add_argument("--hetero-stale", default=None, metavar="MODE",
                     help="also run the heterogeneous variant with this stale mode")  # fmt: skip
     bq.add_argument("--tune", action="store_true",

@@ -152,6 +152,7 @@ class SyncStats:
     )
     phase_shifts: int = 0  # times the island moved its send phase earlier (stale uploads)
     phase: int = 0  # steps the send schedule now runs ahead of the inner steps (mod H)
+    shifted_over: int = 0  # scheduled sends a phase shift passed over (not sent, not skipped)
     flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
     flush_unsettled: int = 0  # uploads still without a result when the flush gave up
     flush_s: float = 0.0  # time in the final flush (waiting for results included)
@@ -436,6 +437,7 @@ class FragmentSyncer:
                 p = self.schedule.due(clock)
                 if p is not None:
                     self._skipped[p] = None
+                    self.stats.shifted_over += 1
         self.phase = (self.phase + shift) % self.schedule.sync_every
         self.stats.phase_shifts += 1
         self.stats.phase = self.phase

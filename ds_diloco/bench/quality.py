@@ -258,9 +258,9 @@ class Method:
     """What becomes of a contribution computed against an older version (``STALE``)."""
     outer: str = "nesterov"
     """Outer optimizer: ``nesterov`` or ``delayed_nesterov`` (momentum every M merges)."""
-    align_phase: bool = False
+    align_phase: bool = True
     """Islands move their send phase after stale uploads (``CoordinatorConfig.align_phase``,
-    experimental)."""
+    the coordinator's default); False: every island keeps the schedule's phase."""
 
     def __post_init__(self):
         if self.stale not in STALE:
@@ -272,7 +272,7 @@ class Method:
         stale = f", {STALE[self.stale]}" if self.stale != "drop" else ""
         outer = ", delayed Nesterov" if self.outer == "delayed_nesterov" else ""
         slow = ", island 0 at half speed" if self.slow_s else ""
-        fixed = ", phase alignment" if self.align_phase else ""
+        fixed = ", fixed send phase" if not self.align_phase and self.kind != "zero3" else ""
         return f"{LABELS[self.kind]}{extra}{stale}{outer}{fixed}{slow}"
 
 
@@ -564,6 +564,7 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             if name in counts:
                 counts[name]["sent"] = min(r["stats"]["uploads"] for r in rs)
                 counts[name]["skipped"] = min(r["stats"]["skipped"] for r in rs)
+                counts[name]["shifted_over"] = min(r["stats"].get("shifted_over", 0) for r in rs)
                 # never answered (coordinator unreachable) or refused
                 for f in ("failed", "refused"):
                     counts[name][f] = max(r["stats"][f] for r in rs)
@@ -619,9 +620,9 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the benchmark
 MAIN = ("zero3", "sync", "decoupled")
-ALIGNED = "decoupled-aligned-phase"
-"""``--aligned-phase``: Decoupled DiLoCo with phase alignment (experimental), every seed."""
 """Method keys run with every seed; the others (variants) with seed 0."""
+FIXED = "decoupled-fixed-phase"
+"""``--fixed-phase``: Decoupled DiLoCo without phase alignment, every seed (paired A/B)."""
 DEFAULT_STALE_VARIANTS = ("next",)
 """The stale modes run as variants by default (``--stale``)."""
 DEFAULT_CODEC_VARIANTS = ("none",)
@@ -709,7 +710,7 @@ def run_bench(
     sync: bool = True,
     stale: tuple[str, ...] | None = None,
     hetero_stale: str | None = None,
-    aligned_phase: bool = False,
+    fixed_phase: bool = False,
     echo=None,
 ) -> QualityBench:
     """The three methods with every seed, then the variants (seed 0): Decoupled DiLoCo with
@@ -733,8 +734,8 @@ def run_bench(
         if sync:
             go(s.method("sync", "sync", seed=seed))
         go(s.method("decoupled", "decoupled", seed=seed))
-        if aligned_phase:  # paired by seed: what phase alignment does
-            go(s.method(ALIGNED, "decoupled", seed=seed, align_phase=True))
+        if fixed_phase:  # paired by seed: what phase alignment does
+            go(s.method(FIXED, "decoupled", seed=seed, align_phase=False))
     main = out["decoupled"][0]
     for mode in stale:
         go(s.method(f"stale-{mode}", "decoupled", stale=mode))
@@ -914,7 +915,7 @@ def main(args) -> int:
         hetero_sync=args.hetero_sync,
         stale=stale,
         hetero_stale=args.hetero_stale,
-        aligned_phase=args.aligned_phase,
+        fixed_phase=args.fixed_phase,
         sync=not args.no_sync,
         echo=echo,
     )

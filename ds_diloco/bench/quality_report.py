@@ -6,8 +6,8 @@ import statistics
 from pathlib import Path
 
 from ds_diloco.bench.quality import (
-    ALIGNED,
     BYTES_GOAL,
+    FIXED,
     LOSS_GOAL,
     MAIN,
     QualityBench,
@@ -94,7 +94,7 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
     init = [r.initial for r in res["zero3"]]
     ratio0 = statistics.fmean(r.initial / r.loss for r in res["zero3"])
     lines.append(f"  {'initial model':40s} {statistics.fmean(init):7.4f} {'':6s} {ratio0:6.3f}")
-    for key in (*MAIN, ALIGNED):
+    for key in (*MAIN, FIXED):
         if key in res:
             lines.append(row(res[key]))
     dec = b.summary("decoupled")
@@ -136,15 +136,14 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
                 )
 
     main = res["decoupled"][0]
-    if ALIGNED in res:
+    if FIXED in res:
         lines.append(
-            "    phase alignment: Decoupled with it / without it, paired by seed: "
+            "    phase alignment: Decoupled with it / with a fixed send phase, paired by seed: "
             + ", ".join(
-                f"{d.loss / f.loss:.3f}"
-                for f, d in zip(res["decoupled"], res[ALIGNED], strict=False)
+                f"{d.loss / f.loss:.3f}" for d, f in zip(res["decoupled"], res[FIXED], strict=False)
             )
         )
-    variants = [k for k in res if k not in (*MAIN, ALIGNED) and not k.startswith("hetero-")]
+    variants = [k for k in res if k not in (*MAIN, FIXED) and not k.startswith("hetero-")]
     if variants:
         lines += [
             "",
