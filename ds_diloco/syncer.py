@@ -153,6 +153,7 @@ class SyncStats:
     phase_shifts: int = 0  # times the island moved its send phase earlier (stale uploads)
     phase: int = 0  # steps the send schedule now runs ahead of the inner steps (mod H)
     shifted_over: int = 0  # scheduled sends a phase shift passed over (not sent, not skipped)
+    steps_overwritten: int = 0  # steps on fragments that a version merged without them replaced
     flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
     flush_unsettled: int = 0  # uploads still without a result when the flush gave up
     flush_s: float = 0.0  # time in the final flush (waiting for results included)
@@ -494,6 +495,8 @@ class FragmentSyncer:
         with ``alpha``, or with ``keep_local_steps`` the steps since the upload are kept.
         """
         keep = blend and slot.sent_values is not None
+        if blend and slot.sent_step is None:  # merged without this island: its steps are lost
+            self.stats.steps_overwritten += slot.steps
         for name in frag.names:
             new = slot.base[name]
             if keep:  # global + what this rank trained since its upload (not in any merge)

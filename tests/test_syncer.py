@@ -682,8 +682,10 @@ def test_with_phase_alignment_a_fragment_merged_without_the_island_is_taken_befo
         if align_phase:
             assert b.versions()[0] == 1 and b.stats.dropped == 0
             assert b.stats.skipped_late == 1  # nothing trained on it since: not sent
+            assert b.stats.steps_overwritten == 2  # its steps 1-2 on fragment 0: lost
         else:
             assert b.versions()[0] == 0 and b.stats.dropped == 1  # stale on arrival
+            assert b.stats.steps_overwritten == 0
         train(b, range(3, 7), False)  # fragment 1 at step 4, fragment 0 again at step 6
         wait_for(lambda: b._uploads.unfinished_tasks == 0)
         islands = srv.coord.status()["islands"]

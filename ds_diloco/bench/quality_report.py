@@ -27,7 +27,8 @@ def _counts(r: Result) -> str:
     per = " ".join(f"{i['merged']}/{i['dropped']}" for i in r.islands.values())
     stale = ",".join(f"{k}:{v}" for k, v in r.by_staleness.items()) or "-"
     return (
-        f"{r.sent:5d} {r.merged:6d} {r.dropped:7d} {r.steps_dropped_share:6.0%}  {per:24s} "
+        f"{r.sent:5d} {r.merged:6d} {r.dropped:7d} {r.steps_dropped_share:6.0%} "
+        f"{r.steps_overwritten_share:5.0%}  {per:24s} "
         f"{stale:>10s}  " + ",".join(f"{k}:{v}" for k, v in r.by_quorum.items())
     )
 
@@ -122,10 +123,11 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
         "",
         "  contributions: sent by the islands, merged / dropped as stale by the coordinator "
         "(the rest still waited at the end); steps: share of the inner steps in merged and "
-        "dropped ones that were dropped:",
+        "dropped ones that were dropped; ovw: steps overwritten by versions merged without "
+        "their island:",
         f"  {'run':24s} {'seed':>4s} {'loss':>7s} {'/base':>6s} {'sent':>5s} {'merged':>6s} "
         f"{'dropped':>7s} "
-        f"{'steps':>6s}  {'per island merged/dropped':24s} {'staleness':>10s}  quorum",
+        f"{'steps':>6s} {'ovw':>5s}  {'per island merged/dropped':24s} {'staleness':>10s}  quorum",
     ]
     for runs in res.values():
         for r in runs:
