@@ -152,6 +152,7 @@ class SyncStats:
     )
     phase_shifts: int = 0  # times the island moved its send phase earlier (stale uploads)
     phase: int = 0  # steps the send schedule now runs ahead of the inner steps (mod H)
+    shifted_steps: int = 0  # steps the phase shifts moved the send clock on, in all (not mod H)
     shifted_over: int = 0  # scheduled sends a phase shift passed over (not sent, not skipped)
     steps_overwritten: int = 0  # steps on fragments that a version merged without them replaced
     flushed: int = 0  # fragments sent by the final flush (besides the scheduled sends)
@@ -441,6 +442,7 @@ class FragmentSyncer:
                     self.stats.shifted_over += 1
         self.phase = (self.phase + shift) % self.schedule.sync_every
         self.stats.phase_shifts += 1
+        self.stats.shifted_steps += shift
         self.stats.phase = self.phase
         log.info(
             "%s/%d an upload came %.2f s after its round's first contribution: sends move %d "

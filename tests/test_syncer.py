@@ -461,6 +461,7 @@ def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_con
         time.sleep(1.0)  # "b"'s steps take about 1 s: 0.3 s late is one step
         train(b, range(2, 3), False)  # the island agrees on the shift with this step's send
         assert b.phase == 1 and b.stats.phase_shifts == 1 and b.stats.phase == 1
+        assert b.stats.shifted_steps == 1
         assert b.slots[1].sent_step == 2  # fragment 1 went out at step 2, as scheduled
         train(b, range(3, 4), False)  # one step ahead now: fragment 3 is due, fragment 2 waits
         assert b.slots[3].sent_step == 3 and b.slots[2].sent_step is None

@@ -578,7 +578,7 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             if name in counts:
                 counts[name]["sent"] = min(r["stats"]["uploads"] for r in rs)
                 counts[name]["skipped"] = min(r["stats"]["skipped"] for r in rs)
-                for f in ("shifted_over", "steps_overwritten"):
+                for f in ("shifted_over", "shifted_steps", "steps_overwritten", "flushed"):
                     counts[name][f] = min(r["stats"].get(f, 0) for r in rs)
                 # never answered (coordinator unreachable) or refused
                 for f in ("failed", "refused"):
