@@ -102,13 +102,15 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
             # from the syncer's threads, and the per-step sync work stayed small.
             assert s["stats"]["network_calls_in_loop"] == 0, s
             # Every step's fragment was uploaded, or skipped by the whole island together
-            # (its result had reached only some ranks by its next send); on leaving, the
-            # fragments with steps after their last send were sent too (fragments 0 and 1,
-            # sent at 21 and 22, unless their results came only at step 24), and merged.
-            flushed = s["stats"]["flushed"]
+            # (its result had reached only some ranks by its next send): with H = P every
+            # step sends one, whatever the send phase. On leaving, the fragments with steps
+            # after their last send were sent too, and merged: fragments 0 and 1 (sent at 21
+            # and 22) unless their results came only at step 24, or up to P = 4 when a phase
+            # shift (an island that came late sends earlier) passed over fragments.
             st = s["stats"]
-            assert st["uploads"] + st["skipped"] == 24 + flushed, s
-            assert flushed <= 2 and s["stats"]["flush_unsettled"] == 0, s
+            flushed = st["flushed"]
+            assert st["uploads"] - flushed + st["skipped"] == 24, s
+            assert flushed <= 4 and st["flush_unsettled"] == 0, s
             # Skips (a base being written, a result on only some ranks, or applied only at
             # the send step) come as often as the machine's load makes results late: a
             # rarity bound here failed on a loaded run (4 > 3). What holds whatever the
