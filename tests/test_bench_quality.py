@@ -23,10 +23,12 @@ from ds_diloco import cli, wire
 from ds_diloco.bench.quality import (
     FIXED,
     LABELS,
+    MAIN,
     Method,
     QualityBench,
     Result,
     Setup,
+    _runs,
     codec_variants,
     run_bench,
     run_config,
@@ -247,6 +249,9 @@ def test_cli_parses_bench_quality_flags():
     got = (args.what, args.steps, args.outer_lr, args.no_hetero, args.tune, args.preset)
     assert got == ("quality", 17, 0.5, True, True, "tiny") and args.fixed_phase is False
     assert cli.build_parser().parse_args(["bench", "quality", "--fixed-phase"]).fixed_phase
+    ab = cli.build_parser().parse_args(["bench", "quality", "--no-sync", "--fixed-phase"])
+    assert [k for k in (*MAIN, FIXED) if _runs(k, ab)] == ["zero3", "decoupled", FIXED]
+    assert [k for k in (*MAIN, FIXED) if _runs(k, args)] == list(MAIN)  # the header's list
     s = setup_from_args(args)
     assert codec_variants(None) == ("none",) and codec_variants("all") == CODECS
     assert codec_variants("int8", none=True) == () and stale_modes("none") == ()

@@ -641,6 +641,13 @@ MAIN = ("zero3", "sync", "decoupled")
 """Method keys run with every seed; the others (variants) with seed 0."""
 FIXED = "decoupled-fixed-phase"
 """``--fixed-phase``: Decoupled DiLoCo without phase alignment, every seed (paired A/B)."""
+
+
+def _runs(key: str, args) -> bool:
+    """Whether ``bench quality``'s ``args`` run the method ``key`` with every seed."""
+    return {"sync": not args.no_sync, FIXED: args.fixed_phase}.get(key, True)
+
+
 DEFAULT_STALE_VARIANTS = ("next",)
 """The stale modes run as variants by default (``--stale``)."""
 DEFAULT_CODEC_VARIANTS = ("none",)
@@ -920,7 +927,8 @@ def main(args) -> int:
     if args.hetero_stale and args.hetero_stale not in STALE:
         raise ValueError(f"--hetero-stale must be one of {tuple(STALE)}")
     echo(
-        f"bench quality: {s.tokens:,} tokens per method; runs: zero3, sync, decoupled x "
+        f"bench quality: {s.tokens:,} tokens per method; runs: "
+        f"{', '.join(k for k in (*MAIN, FIXED) if _runs(k, args))} x "
         f"{s.seeds} seed(s), {len(stale)} stale-mode variant(s), "
         f"{len([c for c in codecs if c != s.compression])} codec variant(s), "
         f"{hetero} heterogeneous"
