@@ -220,9 +220,10 @@ class FragmentSyncer:
         self._not_ready = ""  # why this rank could not send the fragment due at its last step
         self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
         self._shifted_at = 0  # uploads sent before this step predate the last shift
-        # Fragments a shift skipped: their base misses the round held meanwhile, so their
-        # next upload is stale by construction (about a cycle late): it says nothing of
-        # the phase. Fragment -> the step of that upload, once sent.
+        # Fragments a shift skipped: they miss the round held meanwhile, and their next
+        # upload is stale if its merged version has not come in before it (then about a
+        # cycle late): that says nothing of the phase. Fragment -> the step of that
+        # upload, once sent.
         self._skipped: dict[int, int | None] = {}
         self._step_s = 0.0  # this rank's inner step time, moving average
         self._step_t: float | None = None

@@ -18,9 +18,9 @@ points; one started from 1 s steps (four weeks, seed 0) went down to sub-second 
 2.95 / 3.18 / 2.88 points with seeds 0 / 1 / 2 (data-parallel at 600k), at the edge of
 the goal like the closed form below says, and with steps that short the DiLoCo
 simulation runs 7x the events (over the minute asked at 2.4M chips) and the default
-``merge_s`` exceeds tau steps. The published row asks for a cost per failure that rises and then falls
-with scale: with free checkpoints every step, the restart time that reproduces
-each cell alone is about 48, 54, 61, 48 and 35 s from 150k to 2.4M. What a
+``merge_s`` exceeds tau steps. The published row asks for a cost per failure that
+rises and then falls with scale: with free checkpoints every step, the restart time
+that reproduces each cell alone is about 48, 54, 61, 48 and 35 s from 150k to 2.4M. What a
 restart-from-checkpoint job has cannot give that: a costly checkpoint loses less
 per failure at scale (Young's interval shortens) but stalls the job more often,
 and the net falls short; a restart that grows with the number of slices, or
