@@ -28,6 +28,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import select
 import threading
 import time
@@ -297,11 +298,13 @@ class CoordinatorClient:
         dest: dict[str, torch.Tensor],
         after: int | None = None,
         island: str | None = None,
+        info: dict | None = None,
     ) -> int | None:
         """Like :meth:`download`, but read straight into ``dest`` (no buffer of the body).
 
         Returns the version, or None if not newer than ``after``. On an error ``dest``
-        may hold part of the body: the caller must not use it.
+        may hold part of the body: the caller must not use it. ``info``, if given, gets
+        ``opened_ago_s`` when the coordinator says it (:data:`wire.OPENED_AGO_HEADER`).
         """
         params = _fragment_query(world_size, rank, after, island)
         r = self._open("GET", f"/v1/fragments/{fragment}", params=params)
@@ -315,6 +318,10 @@ class CoordinatorClient:
                 raise wire.WireError("download without a Content-Length") from None
             header, _ = wire.read_fragment_into(_Whole(r), length, dest)
         _check_fragment(header, r.headers, fragment, world_size, rank)
+        if info is not None:
+            ago = _opened_ago(r.headers)
+            if ago is not None:
+                info["opened_ago_s"] = ago
         return header.version
 
 
@@ -325,6 +332,21 @@ def _fragment_query(world_size: int, rank: int, after: int | None, island: str |
     if island:
         params["island"] = island
     return params
+
+
+def _opened_ago(headers) -> float | None:
+    raw = headers.get(wire.OPENED_AGO_HEADER)
+    if raw is None:
+        return None
+    try:
+        ago = float(raw)
+    except ValueError:
+        ago = math.nan
+    if not (math.isfinite(ago) and ago >= 0):
+        raise wire.WireError(
+            f"download: {wire.OPENED_AGO_HEADER} must be seconds >= 0, got {raw!r}"
+        )
+    return ago
 
 
 def _check_fragment(header, headers, fragment: int, world_size: int, rank: int) -> None:

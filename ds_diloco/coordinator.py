@@ -738,6 +738,12 @@ class Coordinator:
         return sq
 
     # ---------------------------------------------------------------- downloads
+    def opened_ago(self, fragment: int, version: int) -> float | None:
+        """Seconds since the round that made ``version`` of ``fragment`` got its first
+        contribution; None if not kept (the first version, or an old one)."""
+        opened = self._fragment(fragment).opened_at.get(version)
+        return None if opened is None else round(max(self.clock() - opened, 0.0), 4)
+
     def download(
         self, fragment: int, world_size: int, rank: int, after: int | None = None
     ) -> tuple[int, wire.Body | None]:

@@ -287,7 +287,11 @@ class CoordinatorServer:
         version, body = self.coord.download(fragment, world_size, rank, after)
         if body is None:
             return web.Response(status=304, headers={VERSION_HEADER: str(after)})
-        resp = web.StreamResponse(headers={VERSION_HEADER: str(version)})
+        headers = {VERSION_HEADER: str(version)}
+        ago = self.coord.opened_ago(fragment, version)
+        if ago is not None:
+            headers[wire.OPENED_AGO_HEADER] = str(ago)
+        resp = web.StreamResponse(headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = len(body)
         await resp.prepare(request)

@@ -119,6 +119,11 @@ class _Slot:
     sent_step: int | None = None  # step of the upload whose result we wait for
     in_flight: bool = False  # that upload is queued or was accepted: a result may come
     refetch: bool = False  # behind the island's other ranks: fetch a newer version
+    # When (time.perf_counter) the round that made ``version`` opened, if the coordinator
+    # said; ``followed_t``: the same for the version applied last if it was merged without
+    # this island (None: its own result). They tell how late the island's sends come.
+    opened_t: float | None = None
+    followed_t: float | None = None
     # keep_local_steps: the local values at the last upload, and the counters in it, until
     # its result is applied (then the steps since the upload are kept; see _apply).
     sent_values: dict[str, torch.Tensor] | None = None
@@ -357,6 +362,9 @@ class FragmentSyncer:
                 with self._lock:
                     held = [slot.version if slot.arrived else -1 for _, slot in due]
                     late_step, late_s = self._late
+                    followed = self._followed_late(send, now)
+                if followed is not None:
+                    late_step, late_s = step, followed
                 phase = [late_step, round(late_s * 1e3), round(self._step_s * 1e3)]
                 t0 = time.perf_counter()
                 lows, highs, rows = self._agree(held + phase + flag)
@@ -379,6 +387,25 @@ class FragmentSyncer:
             if locked:
                 send.lock.release()
         return applied
+
+    def _followed_late(self, send: _Slot | None, now: float) -> float | None:
+        """How late this step's send comes when the fragment follows a version merged
+        without the island (``_lock`` held): seconds since that version's round opened.
+
+        A late island that takes the merged versions is never told it is late: a version
+        that comes before the send replaces it (the send is skipped), and one taken a step
+        or two earlier makes the upload current, so it is accepted and merged in a round
+        of its own, a few steps after everyone else's. None: not that case, the coordinator
+        did not say, or the round opened over H/2 steps ago (the previous cycle's: an island
+        early, or one that missed a round for another reason)."""
+        if not self.align_phase or send is None or self._step_s <= 0:
+            return None
+        # Arrived and not a result: applied at this step instead of the send.
+        opened = send.opened_t if send.arrived and not send.in_flight else send.followed_t
+        if opened is None:
+            return None
+        late = max(now - opened, 0.0)
+        return late if late <= self.schedule.sync_every / 2 * self._step_s else None
 
     def _why_not_ready(self, slot: _Slot, step: int, locked: bool) -> str:
         """Why this rank cannot send ``slot``'s fragment now ("": it can); ``_lock`` held."""
@@ -513,6 +540,7 @@ class FragmentSyncer:
             # the next upload carries them.
             tokens, steps = slot.sent_counts if keep else (slot.tokens, slot.steps)
             slot.tokens, slot.steps = slot.tokens - tokens, slot.steps - steps
+            slot.followed_t = slot.opened_t if blend and not slot.in_flight else None
             slot.applied, slot.sent_values, slot.sent_counts = slot.version, None, (0, 0)
             slot.sent_step, slot.in_flight = None, False
         self.stats.applied += 1
@@ -533,10 +561,11 @@ class FragmentSyncer:
             with self._lock:
                 if slot.sending:  # its base is an upload's body, not sent yet
                     return False
+            info: dict = {}
             try:
                 version = (client or self.client).download_into(
                     frag.index, self.world_size, self.rank, slot.base, after=after,
-                    island=self.island,
+                    island=self.island, info=info,
                 )  # fmt: skip
                 problem = None
                 if version is not None:
@@ -572,6 +601,8 @@ class FragmentSyncer:
                     slot.version, slot.holds_upload = -1, False
                 elif version is not None:
                     slot.version, slot.refetch, slot.holds_upload = version, False, False
+                    ago = info.get("opened_ago_s")
+                    slot.opened_t = None if ago is None else time.perf_counter() - ago
             return version is not None and not torn
 
     # ---------------------------------------------------------- network side

@@ -23,6 +23,10 @@ import torch
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 VERSION_HEADER = "X-DS-Diloco-Version"
 """HTTP header of a download: the fragment's version (also in the body's metadata)."""
+OPENED_AGO_HEADER = "X-DS-Diloco-Opened-Ago"
+"""HTTP header of a download, when known: seconds since the round that made its version
+got its first contribution (an island that applies it instead of sending learns how late
+it is, as a stale upload's ``late_s`` tells)."""
 _DTYPES = {
     "F32": torch.float32,
     "F64": torch.float64,

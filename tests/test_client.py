@@ -262,6 +262,42 @@ def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_fa
         httpd.server_close()
 
 
+@pytest.mark.parametrize("raw", [None, "0.25", "nan", "-1", "soon"])
+def test_a_downloads_opened_ago_header_is_read_and_a_bad_one_named(raw):
+    body, _ = _fragment_body()
+
+    class Ago(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header(wire.VERSION_HEADER, "3")
+            if raw is not None:
+                self.send_header(wire.OPENED_AGO_HEADER, raw)
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ago)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        c = CoordinatorClient(f"http://127.0.0.1:{httpd.server_address[1]}", "t", retries=0)
+        info: dict = {}
+        if raw in ("nan", "-1", "soon"):
+            with pytest.raises(wire.WireError, match=f"{wire.OPENED_AGO_HEADER}.*{raw!r}"):
+                c.download_into(0, 1, 0, {"w": torch.zeros(1000)}, info=info)
+            assert info == {}
+        else:
+            assert c.download_into(0, 1, 0, {"w": torch.zeros(1000)}, info=info) == 3
+            assert info == ({} if raw is None else {"opened_ago_s": 0.25})
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_bad_url_is_refused_with_its_name():
     with pytest.raises(ValueError, match="ftp://x"):
         CoordinatorClient("ftp://x", "t")

@@ -477,6 +477,39 @@ def test_an_island_whose_uploads_come_late_moves_its_send_phase_earlier(tiny_con
         assert a.stats.dropped == 0 and a.phase == 0
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_an_island_that_follows_the_merged_versions_late_is_told_so_and_moves_its_phase(
+    tiny_config_path, tmp_path, lag
+):
+    # K = 1, H = P = 4: "a" sends a fragment at every step, each merged at once. "b" runs
+    # 0.15 s (lag 0) or one step and 0.15 s (lag 1) behind and takes each version before
+    # its own send of the fragment: it is replaced (skipped: "applied only now"), or, taken
+    # a step earlier, makes b's upload current (accepted, merged alone). No upload of b is
+    # stale, so only the download's opened-ago header says how late b is.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, 1, num_fragments=4)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        a, b = (
+            island_syncers(srv, client, name, model_from(tiny_config_path, 0), 1,
+                           align_phase=name == "b")[0]
+            for name in ("a", "b")
+        )  # fmt: skip
+        a.bootstrap(), b.bootstrap()
+        for k in range(1, 4):
+            p = a.schedule.due(k)
+            train(a, range(k, k + 1), False)
+            wait_for(lambda p=p: b.slots[p].version == srv.coord.versions()[p] == 1)
+            time.sleep(0.15)
+            if k - lag >= 1:
+                train(b, range(k - lag, k - lag + 1), False)
+            time.sleep(0.15)
+        # b's step 2 (its first with a step time): 0.15 s late is a step, 1.5 steps two.
+        assert b.stats.phase_shifts == 1 and b.phase == 1 + lag, b.stats
+        assert b.stats.dropped == 0
+        assert b.stats.skipped_late == (2 if lag == 0 else 1)  # "applied only now"
+        for s in (a, b):
+            s.close()
+
+
 def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_the_way(
     tiny_config_path, tmp_path
 ):
