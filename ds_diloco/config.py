@@ -80,14 +80,12 @@ class CoordinatorConfig:
     ``compression``. Measured (``bench quality --seeds 3 --fixed-phase --no-sync``, tiny
     Llama, 4 single-rank islands on 2 cores): island steps dropped as stale 2 / 1 / 4 %
     by seed against 30 / 36 / 4 % with a fixed phase, held-out loss 1.021 x ZeRO-3's
-    against 1.028 (lower in every seed: 0.993, 0.988, 0.997). Known cost: an island whose
-    sends come after the round closed but whose base follows the merged version sends
-    nothing stale, so it is never told it is late and never shifts: its sends are skipped
-    ("applied only now") and its steps overwritten (bench quality's ``ovw``: 20 % of all
-    steps in one seed-0 run, one island skipping 49 of 84 sends). Shifting on that signal
-    (late by the time since the version came plus a step) made it worse (67 %: islands
-    took turns being first and chased each other). False: every island keeps the
-    schedule's phase (the paper's schedule)."""
+    against 1.028 (lower in every seed: 0.993, 0.988, 0.997). An island whose sends come
+    after the round closed but whose base follows the merged version sends nothing stale;
+    downloads say when the version's round opened, so a send from a fragment following
+    one measures the island's lateness the same way (steps overwritten, bench quality's
+    ``ovw``, 50 % -> 9 % in a seed-0 run). False: every island keeps the schedule's phase
+    (the paper's schedule)."""
     plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
     """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
     compression: Codec = dataclasses.field(default_factory=Codec)
