@@ -24,6 +24,7 @@ from ds_diloco.bench.quality import (
     FIXED,
     LABELS,
     MAIN,
+    Evaluator,
     Method,
     QualityBench,
     Result,
@@ -239,6 +240,15 @@ def test_setup_refuses_what_cannot_be_compared(tmp_path):
         Setup(steps=5, points=5)
     with pytest.raises(ValueError, match="seeds"):
         Setup(seeds=0)
+
+
+def test_a_corpus_too_small_for_the_held_out_blocks_names_the_corpus_and_how_to_fetch_one(
+    tmp_path,
+):
+    # A fresh clone without .cache/corpus falls back to the sonnets in tests/data.
+    small = str(Path(__file__).parent / "data")
+    with pytest.raises(ValueError, match=r"eval_blocks 64 needs 128 .*tests/data.*get_corpus\.sh"):
+        Evaluator(Setup(corpus=small, cache_dir=str(tmp_path / "cache")))
 
 
 def test_cli_parses_bench_quality_flags():

