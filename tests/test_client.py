@@ -228,11 +228,10 @@ def _fragment_body() -> tuple[bytes, dict[str, torch.Tensor]]:
     return bytes(wire.fragment_parts(header, slices)), slices
 
 
-def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_failure():
-    body, slices = _fragment_body()
-    cut = {"on": False}
+def _fragment_server(body: bytes, headers: dict, cut: dict) -> http.server.ThreadingHTTPServer:
+    """Serves ``body`` as version 3 with ``headers``; half of it while ``cut["on"]``."""
 
-    class Cut(http.server.BaseHTTPRequestHandler):
+    class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *a):
@@ -242,12 +241,21 @@ def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_fa
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.send_header(wire.VERSION_HEADER, "3")
+            for k, v in headers.items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(body[: len(body) // 2] if cut["on"] else body)
             self.close_connection = cut["on"]
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cut)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_failure():
+    body, slices = _fragment_body()
+    cut = {"on": False}
+    httpd = _fragment_server(body, {}, cut)
     try:
         c = CoordinatorClient(f"http://127.0.0.1:{httpd.server_address[1]}", "t", retries=0)
         dest = {"w": torch.zeros(1000)}
@@ -265,24 +273,8 @@ def test_a_download_is_read_into_the_tensors_and_one_cut_short_is_a_transport_fa
 @pytest.mark.parametrize("raw", [None, "0.25", "nan", "-1", "soon"])
 def test_a_downloads_opened_ago_header_is_read_and_a_bad_one_named(raw):
     body, _ = _fragment_body()
-
-    class Ago(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header(wire.VERSION_HEADER, "3")
-            if raw is not None:
-                self.send_header(wire.OPENED_AGO_HEADER, raw)
-            self.end_headers()
-            self.wfile.write(body)
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ago)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    headers = {} if raw is None else {wire.OPENED_AGO_HEADER: raw}
+    httpd = _fragment_server(body, headers, {"on": False})
     try:
         c = CoordinatorClient(f"http://127.0.0.1:{httpd.server_address[1]}", "t", retries=0)
         info: dict = {}
