@@ -287,3 +287,24 @@ def test_cpu_ranks_share_the_cores_whatever_omp_num_threads_the_caller_has(
             assert lr.env["OMP_NUM_THREADS"] == "8"
         else:
             assert lr.env["OMP_NUM_THREADS"] == want, (islands, lr.env["OMP_NUM_THREADS"])
+
+
+@pytest.mark.parametrize(
+    ("include", "slots"),
+    [(None, [0, 1]), ("localhost:2,3", [2, 3]), ("localhost", None), ("node1:0,1", None),
+     ("localhost:0@node1:0", None)],
+)  # fmt: skip
+def test_local_islands_skip_the_runner_with_the_world_info_it_would_build(include, slots):
+    import base64
+
+    from ds_diloco.config import IslandSpec
+
+    cmd = run_mod.launcher_cmd(IslandSpec(name="a", world_size=2, include=include), 29500)
+    if slots is None:  # other hosts, or every slot of a host: the runner resolves them
+        assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"], cmd
+        assert cmd[-2:] == ["--include", include]
+        return
+    assert cmd[2:4] == ["-m", "deepspeed.launcher.launch"], cmd
+    (info,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
+    assert json.loads(base64.urlsafe_b64decode(info)) == {"localhost": slots}
+    assert "--master_port=29500" in cmd
