@@ -436,7 +436,11 @@ class Coordinator:
                 isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
             self._drop_pending(island)
         self._save_table()  # a registration is durable before it is acknowledged
-        return {"island": island, "world_size": world_size, **self.plan_info()}
+        # The island's ranks send it with every upload: a process from before a later
+        # registration (a restarted island's old launch, cut off and back) is refused.
+        incarnation = isl.registrations
+        return {"island": island, "world_size": world_size, "incarnation": incarnation,
+                **self.plan_info()}  # fmt: skip
 
     def start(self, island: str) -> dict:
         """``island`` is about to take its first inner step: how many of the run's have.
@@ -561,6 +565,13 @@ class Coordinator:
                     422,
                     f"island {h.island!r} registered with world size {isl.world_size}, "
                     f"the upload says {h.world_size}",
+                )
+            if h.incarnation != isl.registrations:
+                raise CoordinatorError(
+                    409,
+                    f"upload from incarnation {h.incarnation} of island {h.island!r}, which "
+                    f"registered again since (incarnation {isl.registrations}): this process "
+                    f"was superseded",
                 )
             last = isl.uploads.get((h.fragment, h.rank))
             if last is not None and h.step <= last:

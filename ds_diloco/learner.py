@@ -110,14 +110,16 @@ class Learner:
                 f"(parameter names or shapes differ)"
             )
         register = lambda: self.client.register(island, self.world_size, sig)  # noqa: E731
-        self._all(register if self.rank == 0 else lambda: None)  # one registration per island
+        reply = self._all(register if self.rank == 0 else lambda: None)  # one per island
+        # Rank 0's registration number, on every rank: each rank's uploads carry it.
+        (incarnation,), *_ = zero.island_gather([reply["incarnation"] if reply else 0])
         self.syncer = FragmentSyncer(
             self.client, island, FragmentPlan.from_json(info["plan"]),
             Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
             world_size=self.world_size, rank=self.rank, alpha=alpha, agree=zero.island_gather,
             keep_local_steps=keep_local_steps,
             codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
-            align_phase=bool(info.get("align_phase", False)),
+            align_phase=bool(info.get("align_phase", False)), incarnation=incarnation,
         )  # fmt: skip
         self.syncer.bootstrap()  # every rank now holds the global model, the same versions
         self._seen_step = engine.global_steps

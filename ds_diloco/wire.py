@@ -58,6 +58,10 @@ class UploadHeader:
     """Tokens the island trained on since it last received this fragment (all ranks)."""
     steps: int
     """Inner steps the island took since it last received this fragment."""
+    incarnation: int = 1
+    """Which registration of the island sent it (``incarnation`` in the registration's
+    reply): an upload from a process the island's later registration superseded is
+    refused."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

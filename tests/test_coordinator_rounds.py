@@ -36,7 +36,9 @@ def make(config_path, state_dir, clock=None, **kw):
     return Coordinator(cfg, clock=clock) if clock else cfg
 
 
-def send(coord, island, fragment, step, *, world_size=1, tokens=100, steps=2, scale=1e-3):
+def send(
+    coord, island, fragment, step, *, world_size=1, tokens=100, steps=2, scale=1e-3, incarnation=1
+):
     frag = coord.plan.fragments[fragment]
     g = torch.Generator().manual_seed(hash((island, fragment, step)) % 2**31)
     full = {p.name: torch.randn(p.shape, generator=g) * scale for p in frag.params}
@@ -45,7 +47,7 @@ def send(coord, island, fragment, step, *, world_size=1, tokens=100, steps=2, sc
     for rank in range(world_size):
         header = wire.UploadHeader(
             island=island, rank=rank, world_size=world_size, fragment=fragment,
-            base_version=base, step=step, tokens=tokens, steps=steps,
+            base_version=base, step=step, tokens=tokens, steps=steps, incarnation=incarnation,
         )  # fmt: skip
         replies.append(
             coord.upload(wire.encode_upload(header, rank_slices(frag, full, world_size, rank)))
@@ -162,9 +164,31 @@ def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config
     assert e.value.status == 410
     st = coord.status()["islands"]["c"]
     assert st["live"] is False and st["left"] is True
-    coord.register("c", 1, coord.plan.signature)  # an island may join again (elastic)
-    assert send(coord, "c", 1, step=2)["status"] == "accepted"
+    reply = coord.register("c", 1, coord.plan.signature)  # an island may join again (elastic)
+    assert reply["incarnation"] == 2
+    assert send(coord, "c", 1, step=2, incarnation=2)["status"] == "accepted"
     assert coord.status()["islands"]["c"]["registrations"] == 2
+
+
+def test_uploads_of_a_superseded_incarnation_are_refused_and_change_nothing(
+    tiny_config_path, tmp_path
+):
+    # Island "a" restarted (registered again) while a process of its first launch, cut off,
+    # still runs: that process's uploads are refused by name, whatever their step, and do
+    # not take the steps the new launch counts from (it may restart from step 1).
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=PolicyOptions(tau=1))
+    assert coord.register("a", 1, coord.plan.signature)["incarnation"] == 1
+    assert send(coord, "a", 0, step=4)["status"] == "accepted"
+    assert coord.register("a", 1, coord.plan.signature)["incarnation"] == 2
+    before = coord.status()
+    with pytest.raises(CoordinatorError, match=r"incarnation 1 of island 'a'.*superseded") as e:
+        send(coord, "a", 0, step=50)
+    assert e.value.status == 409
+    after = coord.status()
+    assert after["islands"]["a"] == before["islands"]["a"] and after["pending"] == before["pending"]
+    assert send(coord, "a", 0, step=2, incarnation=2)["status"] == "accepted"
+    with pytest.raises(CoordinatorError, match=r"incarnation 3 .* \(incarnation 2\)"):
+        send(coord, "a", 1, step=2, incarnation=3)  # not issued yet: refused the same way
 
 
 def test_islands_start_together_counts_the_ready_and_those_already_running(
@@ -356,8 +380,8 @@ def test_with_durable_merges_a_crash_loses_no_served_merge(tiny_config_path, tmp
     got = again.global_tensors()
     assert all(torch.equal(got[n], served[n]) for n in served)
     for c in (coord, again):
-        c.register("a", 1, c.plan.signature)
-        send(c, "a", 0, step=6, scale=5e-3)
+        inc = c.register("a", 1, c.plan.signature)["incarnation"]
+        send(c, "a", 0, step=6, scale=5e-3, incarnation=inc)
         assert c.poll(0).merge
     a, b = coord.global_tensors(), again.global_tensors()
     assert all(torch.equal(a[n], b[n]) for n in a), "the outer momentum must survive the crash"
@@ -504,8 +528,8 @@ def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_con
     version, held = again.download(0, 1, 0)  # a body of version 1, being sent, say
     assert version == 1
     raw, served = bytes(held), again.global_tensors()
-    again.register("a", 1, again.plan.signature)
-    send(again, "a", 0, step=4, scale=1e-2)
+    inc = again.register("a", 1, again.plan.signature)["incarnation"]
+    send(again, "a", 0, step=4, scale=1e-2, incarnation=inc)
     assert again.poll(0).merge and again.versions()[0] == 2
     assert bytes(held) == raw, "a served version's values changed under its download"
     after = again.global_tensors()

@@ -67,7 +67,9 @@ def train_copy(config_path, start: dict[str, torch.Tensor], seed: int, steps: in
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def upload_island(client, plan, island, world_size, deltas, *, step, tokens, steps, versions):
+def upload_island(
+    client, plan, island, world_size, deltas, *, step, tokens, steps, versions, incarnation=1
+):
     """Every rank of the island uploads its own slices of every fragment, concurrently."""
     errors = []
 
@@ -83,6 +85,7 @@ def upload_island(client, plan, island, world_size, deltas, *, step, tokens, ste
                     step=step,
                     tokens=tokens,
                     steps=steps,
+                    incarnation=incarnation,
                 )
                 reply = client.upload(header, rank_slices(frag, deltas, world_size, rank))
                 assert reply["status"] == "accepted", reply
@@ -151,9 +154,9 @@ def run_round(srv, config_path, theta, seed, world_sizes=ISLANDS, step=4):
     client = client_for(srv)
     plan = FragmentPlan.from_json(client.plan()["plan"])
     versions = client.versions()
-    deltas = {}
+    deltas, incarnations = {}, {}
     for i, (island, ws) in enumerate(world_sizes.items()):
-        client.register(island, ws, plan.signature)
+        incarnations[island] = client.register(island, ws, plan.signature)["incarnation"]
         local = train_copy(config_path, theta, seed=seed + i)
         deltas[island] = {n: theta[n] - local[n] for n in theta}
     for island, ws in world_sizes.items():
@@ -167,6 +170,7 @@ def run_round(srv, config_path, theta, seed, world_sizes=ISLANDS, step=4):
             tokens=TOKENS[island],
             steps=STEPS[island],
             versions=versions,
+            incarnation=incarnations[island],
         )
     wait_versions(client, [v + 1 for v in versions])
     return deltas
