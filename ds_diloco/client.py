@@ -253,9 +253,11 @@ class CoordinatorClient:
         have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
         return self._post_json(f"/v1/islands/{island}/start").json()
 
-    def leave(self, island: str) -> dict:
-        """The island leaves the run for good (a later register brings it back)."""
-        return self._request("DELETE", f"/v1/islands/{island}").json()
+    def leave(self, island: str, incarnation: int | None = None) -> dict:
+        """The island leaves the run for good (a later register brings it back);
+        ``incarnation``: only if that registration is still the island's current one."""
+        query = "" if incarnation is None else f"?incarnation={incarnation}"
+        return self._request("DELETE", f"/v1/islands/{island}{query}").json()
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

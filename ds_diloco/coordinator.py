@@ -490,12 +490,22 @@ class Coordinator:
         steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
         return min(steps) if steps else None
 
-    def leave(self, island: str) -> dict:
-        """The island leaves the run for good: it no longer counts as live for any quorum."""
+    def leave(self, island: str, incarnation: int | None = None) -> dict:
+        """The island leaves the run for good: it no longer counts as live for any quorum.
+
+        ``incarnation`` (the leaving process's registration): a superseded process's leave
+        is refused, as its uploads are. None: whichever incarnation is registered."""
         with self._lock:
             isl = self._islands.get(island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {island!r}")
+            if incarnation is not None and incarnation != isl.registrations:
+                raise CoordinatorError(
+                    409,
+                    f"leave from incarnation {incarnation} of island {island!r}, which "
+                    f"registered again since (incarnation {isl.registrations}): "
+                    f"{wire.SUPERSEDED}",
+                )
             isl.left_at = time.time()
             self._drop_pending(island)
         self._save_table()
@@ -570,8 +580,8 @@ class Coordinator:
                 raise CoordinatorError(
                     409,
                     f"upload from incarnation {h.incarnation} of island {h.island!r}, which "
-                    f"registered again since (incarnation {isl.registrations}): this process "
-                    f"was superseded",
+                    f"registered again since (incarnation {isl.registrations}): "
+                    f"{wire.SUPERSEDED}",
                 )
             last = isl.uploads.get((h.fragment, h.rank))
             if last is not None and h.step <= last:

@@ -183,7 +183,13 @@ class CoordinatorServer:
         return web.json_response(await self._run(self.coord.start, request.match_info["island"]))
 
     async def leave(self, request):
-        return web.json_response(await self._run(self.coord.leave, request.match_info["island"]))
+        try:
+            raw = request.query.get("incarnation")
+            incarnation = None if raw is None else int(raw)
+        except ValueError:
+            raise CoordinatorError(400, "leave: incarnation must be an integer") from None
+        island = request.match_info["island"]
+        return web.json_response(await self._run(self.coord.leave, island, incarnation))
 
     async def plan(self, request):
         return web.json_response(self.coord.plan_info())

@@ -71,6 +71,10 @@ def _lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
+class Superseded(RuntimeError):
+    """The island registered again elsewhere: this process's uploads are refused for good."""
+
+
 class ShardAccess(Protocol):
     """Reads and writes the flat, unpadded slice of a parameter that this rank owns."""
 
@@ -225,6 +229,7 @@ class FragmentSyncer:
         self.align_phase = align_phase
         self.phase = 0
         self._not_ready = ""  # why this rank could not send the fragment due at its last step
+        self._superseded = ""  # the coordinator's refusal: a later launch of the island took over
         self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
         self._shifted_at = 0  # uploads sent before this step predate the last shift
         # Fragments a shift skipped: they miss the round held meanwhile, and their next
@@ -368,9 +373,15 @@ class FragmentSyncer:
                 if followed is not None:
                     late_step, late_s = step, followed
                 phase = [late_step, round(late_s * 1e3), round(self._step_s * 1e3)]
+                gone = [1 if self._superseded else 0]
                 t0 = time.perf_counter()
-                lows, highs, rows = self._agree(held + phase + flag)
+                lows, highs, rows = self._agree(held + phase + gone + flag)
                 self.stats.agree_s += time.perf_counter() - t0
+                if highs[len(held) + 3]:  # every rank stops at the same step
+                    raise Superseded(
+                        f"island {self.island!r} rank {self.rank}: stopping at step {step}: "
+                        f"{self._superseded or 'another rank was refused as superseded'}"
+                    )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
                 applied = self._apply_agreed(due, held, lows, highs)
                 self._flush()
@@ -769,6 +780,8 @@ class FragmentSyncer:
         except RefusedError as e:
             self.stats.refused += 1
             log.warning("%s/%d upload refused: %s", self.island, self.rank, e)
+            if e.status == 409 and wire.SUPERSEDED in e.message:
+                self._superseded = e.message  # the island stops at its next agreement
         except Exception as e:  # coordinator unreachable: keep training, try again next time
             self.stats.failed += 1
             log.warning("%s/%d upload failed: %s", self.island, self.rank, e)
@@ -897,7 +910,7 @@ class FragmentSyncer:
     def leave(self) -> None:
         """Tell the coordinator this island is done for good (best effort)."""
         try:
-            self.client.leave(self.island)
+            self.client.leave(self.island, self.incarnation)
         except Exception as e:
             log.warning("%s/%d could not leave the run: %s", self.island, self.rank, e)
 

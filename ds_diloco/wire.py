@@ -64,6 +64,10 @@ class UploadHeader:
     refused."""
 
 
+SUPERSEDED = "this process was superseded"
+"""In the coordinator's refusal of an upload from an earlier incarnation of its island."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FragmentHeader:
     """What a download holds: fragment, version and whose slices."""

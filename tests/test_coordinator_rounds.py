@@ -189,6 +189,10 @@ def test_uploads_of_a_superseded_incarnation_are_refused_and_change_nothing(
     assert send(coord, "a", 0, step=2, incarnation=2)["status"] == "accepted"
     with pytest.raises(CoordinatorError, match=r"incarnation 3 .* \(incarnation 2\)"):
         send(coord, "a", 1, step=2, incarnation=3)  # not issued yet: refused the same way
+    with pytest.raises(CoordinatorError, match="leave from incarnation 1") as e:
+        coord.leave("a", incarnation=1)  # nor can it take the new launch out of the run
+    assert e.value.status == 409 and coord.status()["islands"]["a"]["left"] is False
+    assert coord.leave("a", incarnation=2)["left"]
 
 
 def test_islands_start_together_counts_the_ready_and_those_already_running(

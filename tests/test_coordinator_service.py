@@ -474,6 +474,8 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
         lambda: client.upload_body(body(rank=1).replace(b'"step":"4"', b'"step":"x"')),
     )
     refused(409, "signature mismatch", lambda: client.register("a", 2, "0" * 64))
+    refused(400, "incarnation must be an integer", lambda: client.leave("a", "x"))
+    refused(409, "leave from incarnation 7", lambda: client.leave("a", 7))
     refused(413, "too large", lambda: client.upload_body(b"\x00" * (2**20 + 1)))
 
     # And the good rank-1 upload still completes the island's contribution afterwards.

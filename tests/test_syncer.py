@@ -23,7 +23,7 @@ from ds_diloco.fragments import FragmentPlan, Schedule
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
-from ds_diloco.syncer import FragmentSyncer, ModelShardAccess
+from ds_diloco.syncer import FragmentSyncer, ModelShardAccess, Superseded
 
 
 def model_from(config_path, seed):
@@ -327,6 +327,40 @@ def coordinator_config(tmp_path, tiny_config_path, quorum: int, num_fragments: i
         num_fragments=num_fragments, sync_every=4,
         policy=PolicyOptions(min_quorum=quorum, grace_gamma=0.0, tau=1), token="t",
     )  # fmt: skip
+
+
+def test_a_superseded_island_stops_on_every_rank_at_the_same_step_and_cannot_leave(
+    tiny_config_path, tmp_path
+):
+    # The island registers again (a new launch) while this 2-rank launch, cut off, trains
+    # on: its next upload is refused as superseded, both ranks stop at the next agreement,
+    # and its leave does not take the new launch out of the run.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        ranks = island_syncers(srv, client, "isl", model_from(tiny_config_path, seed=0), 2)
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 4))) for s in ranks])
+        assert srv.coord.versions() == [1, 0]  # fragment 0, sent at step 2, was merged
+        again = client.register("isl", 2, srv.coord.plan.signature)
+        assert again["incarnation"] == 2 and all(s.incarnation == 1 for s in ranks)
+        run_threads(*[lambda s=s: train(s, range(4, 5)) for s in ranks])  # fragment 1 goes
+        wait_for(lambda: all(s.stats.refused == 1 for s in ranks))
+
+        def stop_step(s):
+            for step in range(5, 9):
+                try:
+                    train(s, range(step, step + 1), wait_results=False)
+                except Superseded as e:
+                    return step, str(e)
+            return None, ""
+
+        stopped = run_threads(*[lambda s=s: stop_step(s) for s in ranks])
+        assert [step for step, _ in stopped] == [5, 5], stopped  # fragment 1's result was due
+        assert all(wire.SUPERSEDED in why and "incarnation 2" in why for _, why in stopped)
+        assert srv.coord.versions() == [1, 0]  # the refused upload changed nothing
+        ranks[0].leave()  # refused: the island stays in the run for its new launch
+        assert srv.coord.status()["islands"]["isl"]["left"] is False
+        for s in ranks:
+            s.close()
 
 
 def test_flush_sends_the_steps_after_the_last_sends_and_the_global_model_gets_them(
