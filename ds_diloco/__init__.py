@@ -9,7 +9,7 @@ Trainer). Both are imported on first use, so ``import ds_diloco`` stays light.
 """
 
 __version__ = "0.1.0"
-__all__ = ["DiLoCoCallback", "Learner", "LearnerError"]
+__all__ = ["DiLoCoCallback", "Learner", "LearnerError", "Superseded"]
 
 
 def __getattr__(name: str):
@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from ds_diloco import learner
 
         return getattr(learner, name)
+    if name == "Superseded":  # raised by Learner.step once a later launch of the island took over
+        from ds_diloco.syncer import Superseded
+
+        return Superseded
     if name == "DiLoCoCallback":
         from ds_diloco.hf_callback import DiLoCoCallback
 

@@ -208,7 +208,9 @@ class Learner:
         """Call after every ``engine.step()`` with the tokens this rank trained on in it.
 
         Between optimizer steps (gradient accumulation) it only counts the tokens.
-        Returns the fragments applied at this step (the same list on every rank).
+        Returns the fragments applied at this step (the same list on every rank). Raises
+        :class:`ds_diloco.Superseded` on every rank at the same step once the island has
+        registered again elsewhere (this launch's uploads are refused from then on).
         """
         if self._closed:
             raise LearnerError("step() after close()")
