@@ -184,6 +184,16 @@ class _Island:
         return isl
 
 
+def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
+    """Refuse an upload or leave from a process an island's later registration superseded."""
+    if incarnation != isl.registrations:
+        raise CoordinatorError(
+            409,
+            f"{what} from incarnation {incarnation} of island {isl.island!r}, which registered "
+            f"again since (incarnation {isl.registrations}): {wire.SUPERSEDED}",
+        )
+
+
 _MAX_CACHED_BODIES = 64
 """Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
 
@@ -438,8 +448,7 @@ class Coordinator:
         self._save_table()  # a registration is durable before it is acknowledged
         # The island's ranks send it with every upload: a process from before a later
         # registration (a restarted island's old launch, cut off and back) is refused.
-        incarnation = isl.registrations
-        return {"island": island, "world_size": world_size, "incarnation": incarnation,
+        return {"island": island, "world_size": world_size, "incarnation": isl.registrations,
                 **self.plan_info()}  # fmt: skip
 
     def start(self, island: str) -> dict:
@@ -499,13 +508,8 @@ class Coordinator:
             isl = self._islands.get(island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {island!r}")
-            if incarnation is not None and incarnation != isl.registrations:
-                raise CoordinatorError(
-                    409,
-                    f"leave from incarnation {incarnation} of island {island!r}, which "
-                    f"registered again since (incarnation {isl.registrations}): "
-                    f"{wire.SUPERSEDED}",
-                )
+            if incarnation is not None:
+                _check_incarnation("leave", isl, incarnation)
             isl.left_at = time.time()
             self._drop_pending(island)
         self._save_table()
@@ -576,13 +580,7 @@ class Coordinator:
                     f"island {h.island!r} registered with world size {isl.world_size}, "
                     f"the upload says {h.world_size}",
                 )
-            if h.incarnation != isl.registrations:
-                raise CoordinatorError(
-                    409,
-                    f"upload from incarnation {h.incarnation} of island {h.island!r}, which "
-                    f"registered again since (incarnation {isl.registrations}): "
-                    f"{wire.SUPERSEDED}",
-                )
+            _check_incarnation("upload", isl, h.incarnation)
             last = isl.uploads.get((h.fragment, h.rank))
             if last is not None and h.step <= last:
                 raise CoordinatorError(

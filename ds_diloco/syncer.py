@@ -377,7 +377,7 @@ class FragmentSyncer:
                 t0 = time.perf_counter()
                 lows, highs, rows = self._agree(held + phase + gone + flag)
                 self.stats.agree_s += time.perf_counter() - t0
-                if highs[len(held) + 3]:  # every rank stops at the same step
+                if highs[len(held) + len(phase)]:  # every rank stops at the same step
                     raise Superseded(
                         f"island {self.island!r} rank {self.rank}: stopping at step {step}: "
                         f"{self._superseded or 'another rank was refused as superseded'}"

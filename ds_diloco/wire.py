@@ -65,7 +65,7 @@ class UploadHeader:
 
 
 SUPERSEDED = "this process was superseded"
-"""In the coordinator's refusal of an upload from an earlier incarnation of its island."""
+"""In the coordinator's refusal of an upload or leave from an earlier incarnation of its island."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
