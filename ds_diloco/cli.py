@@ -24,8 +24,13 @@ def _island(args) -> int:
     with gc_tuning.paused_for_setup():  # until the first step
         from ds_diloco.config import load_island_config
         from ds_diloco.island import run_island
+        from ds_diloco.syncer import Superseded
 
-        run_island(load_island_config(args.config), plain=args.plain)
+        try:
+            run_island(load_island_config(args.config), plain=args.plain)
+        except Superseded as e:  # not a failure to restart from: see Superseded.exit_code
+            print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)
+            return Superseded.exit_code
     return 0
 
 

@@ -41,6 +41,7 @@ import torch
 
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig
+from ds_diloco.syncer import Superseded
 
 PROGRESS_EVERY_S = 5.0
 MAX_BACKOFF_S = 30.0
@@ -119,6 +120,7 @@ class LocalRun:
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
         self.given_up: set[str] = set()
+        self.superseded: set[str] = set()  # of given_up: a later launch of the island took over
         self.coordinator_restarts = 0
         self.coordinator_hold_until = 0.0  # chaos: keep a killed coordinator down until then
         self.events: list[dict] = []
@@ -226,6 +228,11 @@ class LocalRun:
             if rc is None or rc == 0 or name in self.given_up:
                 continue
             _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind
+            if rc == Superseded.exit_code:  # a restart would take the island back: ping-pong
+                self.given_up.add(name)
+                self.superseded.add(name)
+                self.event("island superseded", island=name, exit=rc)
+                continue
             n = self.restarts.get(name, 0)
             if n >= self.cfg.max_restarts:
                 self.given_up.add(name)
@@ -560,7 +567,10 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
     board.write(final_status)
     board.close()
     failed = lr.failed_islands()
-    if failed:
+    if lr.superseded:
+        print(f"islands superseded (another launch of each registered with the coordinator "
+              f"since; not restarted): {sorted(lr.superseded)}", flush=True)  # fmt: skip
+    if set(failed) - lr.superseded:
         print(f"islands failed: {failed} (see their log.txt)", flush=True)
     return (1 if failed else 0), final_status
 

@@ -74,6 +74,11 @@ def _lower_thread_priority(nice: int) -> None:
 class Superseded(RuntimeError):
     """The island registered again elsewhere: this process's uploads are refused for good."""
 
+    exit_code = 3
+    """``ds-diloco island``'s exit status when it stops for this. Its supervisor (``ds-diloco
+    run``) must not start it again: the restart would register and supersede the later
+    launch, which would then stop and be restarted in turn."""
+
 
 class ShardAccess(Protocol):
     """Reads and writes the flat, unpadded slice of a parameter that this rank owns."""

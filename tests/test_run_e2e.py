@@ -18,9 +18,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import run as run_mod
+from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import load_run_config
 from ds_diloco.export import load_global_tensors
 from ds_diloco.run import LocalRun
+from ds_diloco.syncer import Superseded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,38 +215,74 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
         lr.stop()
 
 
-def test_sigterm_stops_every_process_and_saves_the_coordinator(
+def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
     tmp_path, tiny_config_path, kill_leftovers
 ):
-    # SIGTERM (``kill PID``, a scheduler's stop) as Ctrl-C: the islands and the coordinator
-    # are in process groups of their own, so the run must stop them before it exits.
-    # (Ctrl-C itself: test_resume_e2e.py.)
+    # Island "a" is registered again from elsewhere (a later launch of it): its ranks stop
+    # (Superseded) and its launcher exits Superseded.exit_code, which the run must not
+    # restart: the restart would register and take the island back from the later launch.
+    # Then SIGTERM (``kill PID``, a scheduler's stop) as Ctrl-C: the other island and the
+    # coordinator are in process groups of their own, so the run must stop them before it
+    # exits. (Ctrl-C itself: test_resume_e2e.py.)
     run_file = write_run_file(
-        tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}], steps=5000
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 1}],
+        steps=5000, token="superseded-test",
     )  # fmt: skip
+    run = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({**run, "max_restarts": 3, "restart_backoff_s": 0.5}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out_path = tmp_path / "run.out"
+    with out_path.open("w") as out_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+            env=env, stdout=out_file, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     workdir = tmp_path / "run"
-    progress = workdir / "islands" / "a" / "progress.jsonl"
+    progress = {n: workdir / "islands" / n / "progress.jsonl" for n in ("a", "b")}
     try:
-        _wait_for(lambda: progress.exists() and progress.read_text().count("\n") >= 2, 300,
-                  "training")  # fmt: skip
+        _wait_for(lambda: all(p.exists() and p.read_text().count("\n") >= 2
+                              for p in progress.values()), 300, "training")  # fmt: skip
+        port = json.loads((workdir / "coordinator.json").read_text())["port"]
+        client = CoordinatorClient(f"http://127.0.0.1:{port}", "superseded-test", timeout_s=10)
+        again = client.register("a", 2, client.plan()["signature"])
+        assert again["incarnation"] == 2, again
+        _wait_for(lambda: "island superseded" in out_path.read_text(), 120, "island a to stop")
+        time.sleep(2.0)  # a restart would come 0.5 s after
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
         leftovers = kill_leftovers(workdir)
+    out = out_path.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "island superseded" in out and "island restarted" not in out, out[-3000:]
+    assert f"'exit': {Superseded.exit_code}" in out, out[-3000:]
     assert "interrupted (SIGTERM)" in out
     # Nothing of the run is left running: no island rank, launcher or coordinator.
     assert leftovers.strip() == "", leftovers
     # The coordinator saved on its way out: its state has the merges it made.
     state = json.loads((workdir / "state" / "coordinator.json").read_text())
     assert sum(state["merges"]) >= 1
+
+
+def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_one(
+    tmp_path, tiny_config_path
+):
+    path = write_run_file(
+        tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
+        steps=1,
+    )  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    for name, code in (("a", Superseded.exit_code), ("b", 1)):  # launchers that exited so
+        lr.islands[name] = subprocess.Popen(["sh", "-c", f"exit {code}"], start_new_session=True)
+        lr.islands[name].wait()
+    lr.supervise()
+    assert [(e["event"], e["island"]) for e in lr.events] == [
+        ("island superseded", "a"), ("island died", "b")]  # fmt: skip
+    assert lr.superseded == {"a"} and lr.given_up == {"a"} and lr.restarts == {"b": 1}
+    assert lr.failed_islands() == {"a": Superseded.exit_code}
+    assert not lr.finished()  # b waits for its restart
 
 
 CHILD = """
