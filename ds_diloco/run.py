@@ -570,8 +570,9 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
     if lr.superseded:
         print(f"islands superseded (another launch of each registered with the coordinator "
               f"since; not restarted): {sorted(lr.superseded)}", flush=True)  # fmt: skip
-    if set(failed) - lr.superseded:
-        print(f"islands failed: {failed} (see their log.txt)", flush=True)
+    others = {n: rc for n, rc in failed.items() if n not in lr.superseded}
+    if others:
+        print(f"islands failed: {others} (see their log.txt)", flush=True)
     return (1 if failed else 0), final_status
 
 
