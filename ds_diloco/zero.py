@@ -13,6 +13,8 @@ No collective here ever crosses islands: the process group is the island.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -101,10 +103,44 @@ def build_engine(
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source.config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
+    with _compile_on_first_call():  # stage 3 imports its Muon optimizer, whatever the optimizer
+        import deepspeed.runtime.zero.muon.muon_optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     return engine
+
+
+@contextlib.contextmanager
+def _compile_on_first_call():
+    """``torch.compile`` deferred to a function's first call, for the imports in the block.
+
+    DeepSpeed's ZeRO-3 optimizer imports its Muon optimizer whatever the optimizer, and that
+    module wraps its kernels in ``torch.compile`` at import, which loads inductor: 2.7 s of
+    CPU in every rank's start-up here (every island launch and restart), for kernels an
+    AdamW island never calls. Deferred, they compile as before if they are ever called.
+    """
+    real = torch.compile
+
+    def lazy(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: lazy(fn, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    torch.compile = lazy
+    try:
+        yield
+    finally:
+        torch.compile = real
 
 
 class ZeroShardAccess:

@@ -294,3 +294,27 @@ def test_a_checkpoint_pointer_naming_no_checkpoint_is_refused_with_its_path(tmp_
     (tmp_path / "latest").write_text(pointer)
     with pytest.raises(RuntimeError, match=r"latest names no checkpoint"):
         zero.load_checkpoint(None, tmp_path)
+
+
+def test_torch_compile_in_the_block_waits_for_the_first_call():
+    # What build_engine imports DeepSpeed's Muon optimizer under: its torch.compile at import
+    # must not load inductor (seconds of every rank's start-up), and must still compile and
+    # compute when called; torch.compile is restored after the block.
+    code = """
+import sys, torch
+from ds_diloco.zero import _compile_on_first_call
+real = torch.compile
+with _compile_on_first_call():
+    @torch.compile(backend="eager")
+    def add(x):
+        return x + 1
+    square = torch.compile(lambda x: x * x, backend="eager")
+    import deepspeed.runtime.zero.muon.muon_optimizer
+assert torch.compile is real
+print("inductor" if "torch._inductor.compile_fx" in sys.modules else "no inductor")
+print(add(torch.ones(2)).tolist(), square(torch.full((2,), 3.0)).tolist())
+"""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["no inductor", "[2.0, 2.0] [9.0, 9.0]"], out.stdout
