@@ -30,8 +30,10 @@ import json
 import logging
 import math
 import select
+import socket
 import threading
 import time
+import weakref
 from urllib.parse import urlencode, urlsplit
 
 import torch
@@ -60,6 +62,11 @@ class CoordinatorError(_StatusError):
 
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException, CoordinatorError)
 """Failures to get an answer (unreachable, reset, timed out, a broken answer, a 5xx)."""
+
+
+class Interrupted(ConnectionError):
+    """A request stopped by :meth:`CoordinatorClient.interrupt` (its thread is being stopped)."""
+
 
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 """How a keep-alive connection that the server closed while idle fails on its next use."""
@@ -104,7 +111,10 @@ class CoordinatorClient:
         self._token = token
         self._headers = {"Authorization": f"Bearer {token}"}
         self._local = threading.local()  # this thread's connection
-        self._conns: list[http.client.HTTPConnection] = []  # every thread's, for close()
+        # Every thread's connection, for close() and interrupt(); dropped with the thread.
+        self._conns: weakref.WeakKeyDictionary[threading.Thread, http.client.HTTPConnection]
+        self._conns = weakref.WeakKeyDictionary()
+        self._interrupted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._conns_lock = threading.Lock()
 
     def with_limits(self, timeout_s: float, retries: int = 0) -> CoordinatorClient:
@@ -122,14 +132,35 @@ class CoordinatorClient:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             conn = self._local.conn = cls(self._host, self._port, timeout=self.timeout_s)
             with self._conns_lock:
-                self._conns.append(conn)
+                self._conns[threading.current_thread()] = conn
         return conn
 
     def close(self) -> None:
         """Close every thread's connection (a later request opens a new one)."""
         with self._conns_lock:
-            for conn in self._conns:
+            for conn in list(self._conns.values()):
                 conn.close()
+
+    def interrupt(self, thread: threading.Thread) -> None:
+        """Stop ``thread``'s request on this client, or its next one: it raises
+        :class:`Interrupted` at once, without retrying, even in the middle of a long poll
+        or a download (its socket is shut down, which wakes it; closing is left to it).
+        Other threads' requests go on."""
+        with self._conns_lock:
+            self._interrupted.add(thread)
+            conn = self._conns.get(thread)
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _check_interrupt(self) -> None:
+        with self._conns_lock:
+            me = threading.current_thread()
+            if me not in self._interrupted:
+                return
+            self._interrupted.discard(me)
+        raise Interrupted("request interrupted: the thread that sent it is being stopped")
 
     def _open(
         self, method: str, path: str, params: dict | None = None, body=None, content_type=None,
@@ -149,6 +180,7 @@ class CoordinatorClient:
         delay = self.backoff_s
         attempt = 0
         while True:
+            self._check_interrupt()
             conn = self._conn()
             if conn.sock is not None and _closed_by_peer(conn.sock):
                 conn.close()  # closed by the coordinator while idle: a new one, no failure
@@ -166,6 +198,7 @@ class CoordinatorClient:
                 r = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
+                self._check_interrupt()  # woken by interrupt(): no retry, no backoff
                 if connected and isinstance(e, TimeoutError):
                     raise  # no answer in time: the request may be in progress, not retried
                 if sent and release:

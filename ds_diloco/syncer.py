@@ -593,15 +593,16 @@ class FragmentSyncer:
             except (RefusedError, wire.WireError) as e:
                 version, problem = None, str(e)
                 torn = isinstance(e, wire.WireError)  # a refusal comes before any byte
-            except Exception as e:  # unreachable: try again later
-                self.stats.failed += 1
-                log.warning(
-                    "%s/%d download of fragment %d failed: %s",
-                    self.island,
-                    self.rank,
-                    frag.index,
-                    e,
-                )
+            except Exception as e:  # unreachable, or cut short by close(): try again later
+                if not self._woken_by_close():
+                    self.stats.failed += 1
+                    log.warning(
+                        "%s/%d download of fragment %d failed: %s",
+                        self.island,
+                        self.rank,
+                        frag.index,
+                        e,
+                    )
                 version, problem = None, None
                 torn = True
             else:
@@ -715,6 +716,8 @@ class FragmentSyncer:
             try:  # long poll: returns at once when a fragment we wait for is newer
                 current = self.client.versions(self.island, known=known, wait=self.long_poll_s)
             except Exception as e:
+                if self._woken_by_close():
+                    break
                 self.stats.failed += 1
                 log.warning("%s/%d versions: %s", self.island, self.rank, e)
                 self._stop.wait(self.poll_s)
@@ -724,8 +727,14 @@ class FragmentSyncer:
             # Only what the answer says is newer: a request per fragment still waiting (an
             # answer "not modified") would cost both sides CPU on every step.
             for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
+                if self._stop.is_set():
+                    break
                 if w is not None and (w < 0 or current[frag.index] > w):
                     self._fetch(frag, slot, after=None if w < 0 else w)
+
+    def _woken_by_close(self) -> bool:
+        """In the downloader: close() has stopped it (a request it cut short is no failure)."""
+        return self._stop.is_set() and threading.current_thread() is self._threads[1]
 
     def _count_network_call(self) -> None:
         if threading.get_ident() == self._train_thread and not self._flushing:
@@ -925,9 +934,16 @@ class FragmentSyncer:
         while self._uploads.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
-        for t in self._threads:
-            if t.is_alive():
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        uploader, downloader = self._threads
+        if uploader.is_alive():
+            uploader.join(timeout=max(0.0, deadline - time.monotonic()))
+        # The downloader may be in a long poll (up to long_poll_s, at every island's exit
+        # and restart): its connection is shut down to wake it, again until it is gone (it
+        # may have been about to send one). A download cut short leaves its slot torn,
+        # fetched again whole if ever needed.
+        while downloader.is_alive() and time.monotonic() < deadline:
+            self.client.interrupt(downloader)
+            downloader.join(timeout=0.05)
         with self._lock:
             for slot in self.slots:  # a body left unsent is dropped: a download may write
                 slot.sending = False

@@ -25,6 +25,7 @@ from ds_diloco.client import (
     TRANSPORT_ERRORS,
     CoordinatorClient,
     CoordinatorError,
+    Interrupted,
     RefusedError,
 )
 
@@ -161,6 +162,46 @@ def test_threads_use_their_own_connections():
             t.join()
         assert out == [[1, 2]] * 3 and srv.connections == 3
         assert time.perf_counter() - t0 < 0.5  # in parallel, not one after the other
+    finally:
+        srv.close()
+
+
+def test_interrupt_stops_one_threads_request_at_once_and_not_the_others():
+    # A syncer's close() wakes its downloader out of a long poll (the server answers after
+    # 2 s here): the request raises Interrupted at once, not retried although retries are
+    # allowed; another thread's request on the same client is answered; the interrupted
+    # thread's next request opens a new connection and is answered.
+    srv = _Server(_ok, delay_s=2.0)
+    try:
+        c = CoordinatorClient(srv.url, "t", retries=5, backoff_s=1.0)  # no wait for a retry
+        out: dict = {}
+
+        def ask(name):
+            t0 = time.perf_counter()
+            try:
+                out[name] = c.versions()
+            except Exception as e:
+                out[name] = e
+            out[name + "_s"] = time.perf_counter() - t0
+
+        polled = threading.Thread(target=lambda: (ask("polled"), ask("next")))
+        other = threading.Thread(target=ask, args=("other",))
+        polled.start()
+        other.start()
+        while len(srv.paths) < 2:  # both requests are with the server
+            time.sleep(0.01)
+        c.interrupt(polled)
+        polled.join(timeout=10)
+        other.join(timeout=10)
+        assert isinstance(out["polled"], Interrupted) and out["polled_s"] < 0.8, out
+        assert out["next"] == [1, 2] and out["other"] == [1, 2] and out["other_s"] >= 1.9, out
+        assert len(srv.paths) == 3 and srv.connections == 3  # not retried; next: a new one
+        # A request not yet sent when its thread is interrupted is stopped before it goes.
+        idle = threading.Thread(target=lambda: (time.sleep(0.2), ask("idle")))
+        idle.start()
+        c.interrupt(idle)
+        idle.join(timeout=10)
+        assert isinstance(out["idle"], Interrupted) and len(srv.paths) == 3, out
     finally:
         srv.close()
 

@@ -622,6 +622,28 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
             s.close()
 
 
+def test_close_wakes_the_downloader_out_of_its_long_poll(tiny_config_path, tmp_path):
+    # Every island's exit and restart closes its syncers; the downloader is then usually in
+    # a long poll for its last results. close() wakes it instead of waiting the poll out,
+    # and that is no failure.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=3)
+        (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 1), 1, long_poll_s=20)
+        (b,) = island_syncers(srv, client, "b", model_from(tiny_config_path, 2), 1)
+        for s in (a, b):
+            s.bootstrap()
+        train(a, range(1, 3), wait_results=False)  # quorum 2, b sends nothing: no result
+        wait_for(lambda: a.stats.uploads == 1)
+        time.sleep(0.3)  # the downloader is in its long poll for fragment 0
+        t0 = time.perf_counter()
+        a.close()
+        assert time.perf_counter() - t0 < 2.0
+        assert not any(t.is_alive() for t in a._threads)
+        assert a.stats.failed == 0, vars(a.stats)
+        assert client.versions() == [0, 0]  # the client still serves this thread
+        b.close()
+
+
 def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanwhile(
     tiny_config_path, tmp_path, monkeypatch
 ):
