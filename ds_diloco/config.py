@@ -293,8 +293,14 @@ class IslandConfig:
     island count). 0 or 1: start at once."""
     start_timeout_s: float = 120.0
     """Longest wait for the others (an island that fails to start holds no one longer)."""
+    connect_timeout_s: float = 30.0
+    """How long the ranks try to reach the coordinator at start before giving up.
+    ``ds-diloco run`` starts its islands while the coordinator is still starting, and
+    sets this to cover the coordinator's start-up."""
 
     def __post_init__(self):
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if self.start_together < 0:
             raise ValueError(f"start_together must be >= 0, got {self.start_together}")
         if not self.start_timeout_s > 0:

@@ -44,6 +44,11 @@ from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig
 from ds_diloco.syncer import Superseded
 
 PROGRESS_EVERY_S = 5.0
+COORDINATOR_START_S = 120.0
+"""Longest wait for a started coordinator to answer (loading a large pretrained model)."""
+ISLAND_CONNECT_S = COORDINATOR_START_S + 30.0
+"""How long a run's islands try to reach the coordinator at start: they are started while
+it is still starting, so they wait out its start-up, and a coordinator restart."""
 MAX_BACKOFF_S = 30.0
 
 
@@ -126,10 +131,21 @@ class LocalRun:
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
         self._t0 = time.monotonic()
+        self.startup: dict[str, float] = {}
+        """Seconds from the start of the run to its first coordinator process started,
+        its islands started, and the coordinator answering (the two start-ups overlap)."""
         self._stopping = False
 
     # ------------------------------------------------------------ processes
     def start_coordinator(self) -> CoordinatorClient:
+        """Start the coordinator and wait until it answers."""
+        self.spawn_coordinator()
+        return self.wait_for_coordinator()
+
+    def spawn_coordinator(self) -> None:
+        """Start the coordinator process without waiting for it: its start-up (imports,
+        building or loading the model) can overlap the data preparation and the islands'
+        own start-up, which reach it when they are ready (``ISLAND_CONNECT_S``)."""
         c = self.cfg.coordinator
         # A restarted coordinator must come back where the islands look for it.
         port = self._port = getattr(self, "_port", None) or c.port or free_port()
@@ -144,21 +160,30 @@ class LocalRun:
         )  # fmt: skip
         host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
         self.url = f"http://{host}:{port}"
+        self._mark("coordinator_spawned_s")
+
+    def wait_for_coordinator(self) -> CoordinatorClient:
+        """A client once the spawned coordinator answers (at most ``COORDINATOR_START_S``)."""
         client = CoordinatorClient(self.url, self.token, retries=0, timeout_s=10)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + COORDINATOR_START_S
         while time.monotonic() < deadline:
             if self.coordinator.poll() is not None:
                 raise RuntimeError(f"coordinator exited: see {self.workdir / 'coordinator.log'}")
             try:
                 client.health()
+                self._mark("coordinator_up_s")
                 return client
             except Exception:
-                time.sleep(0.2)
-        raise RuntimeError("coordinator did not come up within 120 s")
+                time.sleep(0.1)
+        raise RuntimeError(f"coordinator did not come up within {COORDINATOR_START_S:g} s")
 
     def start_islands(self) -> None:
         for shard, spec in enumerate(self.cfg.islands):
             self.start_island(spec, shard, len(self.cfg.islands))
+        self._mark("islands_started_s")
+
+    def _mark(self, what: str) -> None:
+        self.startup.setdefault(what, round(time.monotonic() - self._t0, 2))
 
     def start_island(self, spec, shard: int, num_shards: int, plain: bool = False):
         """One island through the deepspeed launcher, in its own process group.
@@ -173,6 +198,7 @@ class LocalRun:
             model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
             data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
             workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
+            connect_timeout_s=ISLAND_CONNECT_S,
         )  # fmt: skip
         (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
         port = spec.master_port or free_port()
@@ -527,15 +553,21 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
 
 
 def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict | None]:
-    """Start the coordinator and the islands (or resume them at ``point``), supervise them
-    until every island is done, and return (exit code, the coordinator's last status)."""
-    client = lr.start_coordinator()
-    print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
-    board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
-    exports = PeriodicExport(cfg, lr)
+    """Start the islands (or resume them at ``point``) with the spawned coordinator,
+    supervise them until every island is done, and return (exit code, the coordinator's
+    last status)."""
     if point is None:
         lr.start_islands()
     else:
+        for shard, spec in enumerate(cfg.islands):
+            if not point[spec.name].get("done"):
+                lr.start_island(spec, shard, len(cfg.islands))
+        lr._mark("islands_started_s")
+    client = lr.wait_for_coordinator()
+    print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
+    board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
+    exports = PeriodicExport(cfg, lr)
+    if point is not None:
         st = client.status()
         where = {n: "finished" if p.get("done") else f"from step {p['step']}"
                  for n, p in point.items()}  # fmt: skip
@@ -545,9 +577,6 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
             exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
         board.read = {p.parent.name: p.stat().st_size  # records already on the board
                       for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
-        for shard, spec in enumerate(cfg.islands):
-            if not point[spec.name].get("done"):
-                lr.start_island(spec, shard, len(cfg.islands))
     sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
     print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
     next_print = time.monotonic()
@@ -584,15 +613,16 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     point = resume_point(cfg) if resume else None
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
-    print(f"preparing data from {d.path} ...", flush=True)
-    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-                               text_field=d.text_field)  # fmt: skip
-    _, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
-    heldout = heldout[:64]
     t0 = time.monotonic()
     code, final_status = 0, None
     with stop_on_signals():
         try:
+            lr.spawn_coordinator()  # it starts up while the data is prepared
+            print(f"preparing data from {d.path} ...", flush=True)
+            _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
+                                       tokenizer=d.tokenizer, text_field=d.text_field)  # fmt: skip
+            _, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
+            heldout = heldout[:64]
             code, final_status = _drive(cfg, lr, point)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
@@ -601,7 +631,8 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             lr.stop()
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
-               "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts}  # fmt: skip
+               "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
+               "startup": lr.startup}  # fmt: skip
     if point is not None:
         summary["resumed_from"] = point
     if code < 128 and final_status is not None:  # not stopped by a signal
@@ -612,8 +643,8 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         path = lr.workdir / "islands" / spec.name / "summary-rank0.json"
         if path.exists():
             summary["islands"][spec.name] = json.loads(path.read_text())
-    state = json.loads((Path(cfg.coordinator.state_dir) / "coordinator.json").read_text())
-    summary["merges"] = state["merges"]
+    state = Path(cfg.coordinator.state_dir) / "coordinator.json"  # none if stopped starting
+    summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = None
     if cfg.export and code == 0:
         config, tensors = load_global_tensors(cfg.coordinator.state_dir)

@@ -89,6 +89,9 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
     assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
+    # The islands were started while the coordinator was starting up, not after it.
+    up = summary["startup"]
+    assert up["coordinator_spawned_s"] <= up["islands_started_s"] < up["coordinator_up_s"], up
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(workdir / "tensorboard"))
@@ -170,8 +173,9 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
     lr = LocalRun(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        client = lr.start_coordinator()
-        lr.start_islands()
+        lr.spawn_coordinator()
+        lr.start_islands()  # while the coordinator starts up: they reach it when it answers
+        client = lr.wait_for_coordinator()
 
         def step(name):
             record = lr.island_records().get(name, {})

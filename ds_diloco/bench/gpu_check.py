@@ -95,9 +95,11 @@ def launch(cfg: RunConfig, mode: str, deadline: float) -> dict:
     lr = LocalRun(cfg)
     merges = None
     try:
-        client = lr.start_coordinator() if mode == "ds_diloco" else None
+        if mode == "ds_diloco":
+            lr.spawn_coordinator()  # it starts up while the islands do
         for shard, spec in enumerate(cfg.islands):
             lr.start_island(spec, shard, len(cfg.islands), plain=mode == "plain")
+        client = lr.wait_for_coordinator() if mode == "ds_diloco" else None
         while any(p.poll() is None for p in lr.islands.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{mode}: still running at the deadline (--deadline-s)")

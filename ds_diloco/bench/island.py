@@ -310,16 +310,18 @@ def launch(
     timeout_s = timeout_s or 300 + 10 * cfg.train.steps
     try:
         if not plain:  # plain: no coordinator, never contacted
-            client = lr.start_coordinator()
-            if coordinator_nice:  # its threads run by now; the ones it starts later inherit
-                _renice(lr.coordinator.pid, coordinator_nice)
+            lr.spawn_coordinator()  # it starts up while the island does
         d = workdir / "islands" / spec.name
-        cpu0 = None if plain else _cpu_seconds(lr.coordinator.pid)
         # The launcher waits for the ranks, so once it is waited for, its children's CPU
         # counts here too; the coordinator is waited for only later, in lr.stop().
         children0 = _children_cpu_seconds()
         t0 = time.perf_counter()
         proc = lr.start_island(spec, 0, 1, plain=plain)
+        if not plain:
+            client = lr.wait_for_coordinator()
+            if coordinator_nice:  # its threads run by now; the ones it starts later inherit
+                _renice(lr.coordinator.pid, coordinator_nice)
+        cpu0 = None if plain else _cpu_seconds(lr.coordinator.pid)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -504,8 +504,8 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
     snaps: list[tuple[int, dict]] = []
     status = None
     try:
-        client = None if m.kind == "zero3" else lr.start_coordinator()
-        plan = client and FragmentPlan.from_json(client.plan()["plan"])
+        if m.kind != "zero3":
+            lr.spawn_coordinator()  # it starts up while the islands do
         t0 = time.monotonic()
         for shard, spec in enumerate(cfg.islands):
             if shard == 0 and m.slow_s:  # LocalRun builds every island from cfg.train
@@ -513,6 +513,8 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
                 lr.cfg = dataclasses.replace(cfg, train=slow)
             lr.start_island(spec, shard, len(cfg.islands), plain=m.kind == "zero3")
             lr.cfg = cfg
+        client = None if m.kind == "zero3" else lr.wait_for_coordinator()
+        plan = client and FragmentPlan.from_json(client.plan()["plan"])
         targets = [s.tokens * k // s.points for k in range(1, s.points)]
         deadline = t0 + 600 + 30 * s.steps  # a stuck launch fails the benchmark, not hangs it
         while any(p.poll() is None for p in lr.islands.values()):

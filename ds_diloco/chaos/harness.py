@@ -286,13 +286,20 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
                         or DEFAULT_CHECKPOINT_EVERY)  # fmt: skip
     lr = LocalRun(cfg)
     t0 = time.monotonic()
-    client = lr.start_coordinator()
+    lr.spawn_coordinator()
     proxies = {s.name: ChaosProxy("127.0.0.1", lr._port).start() for s in cfg.islands}
     lr.island_urls = {name: p.url for name, p in proxies.items()}
+    try:  # the islands start up while the coordinator does
+        lr.start_islands()
+        client = lr.wait_for_coordinator()
+    except BaseException:
+        lr.stop()
+        for p in proxies.values():
+            p.close()
+        raise
     watcher = Watcher(lr.url, lr.token).start()
     injector, schedule_t0 = None, None
     try:
-        lr.start_islands()
         if schedule is not None:
             _until_training(lr)
             schedule_t0 = time.monotonic() - watcher.t0
