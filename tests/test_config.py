@@ -21,6 +21,8 @@ from ds_diloco import cli
 from ds_diloco.config import (
     TOKEN_ENV,
     CoordinatorConfig,
+    DataConfig,
+    IslandConfig,
     ModelSource,
     from_dict,
     load_coordinator_config,
@@ -489,6 +491,25 @@ def test_rules_hold_for_direct_construction_too():
         ModelSource(config="m.json", pretrained="/hf")
     with pytest.raises(ValueError, match="exactly one"):
         ModelSource()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"connect_timeout_s": 0}, "connect_timeout_s must be > 0"),
+        ({"start_timeout_s": -1}, "start_timeout_s must be > 0"),
+        ({"start_together": -1}, "start_together must be >= 0"),
+        ({"shard": 2, "num_shards": 2}, r"shard must be in \[0, num_shards=2\)"),
+        ({"coordinator_url": "10.0.0.1:8470"}, "coordinator_url must be http"),
+    ],
+)
+def test_island_config_rules_name_the_field(changes, message):
+    base = dict(island="a", coordinator_url="http://127.0.0.1:8470",
+                model=ModelSource(config="m.json"), deepspeed_config="ds.json",
+                data=DataConfig(path="corpus"))  # fmt: skip
+    assert IslandConfig(**base).connect_timeout_s == 30.0
+    with pytest.raises(ValueError, match=message):
+        IslandConfig(**{**base, **changes})
 
 
 # --------------------------------------------------------------- token
