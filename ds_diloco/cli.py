@@ -36,9 +36,13 @@ def _island(args) -> int:
 
 def _run(args) -> int:
     from ds_diloco.config import load_run_config
-    from ds_diloco.run import run
+    from ds_diloco.run import CoordinatorStartError, run
 
-    return run(load_run_config(args.file), resume=args.resume)
+    try:
+        return run(load_run_config(args.file), resume=args.resume)
+    except CoordinatorStartError as e:  # its islands are stopped by now
+        print(f"ds-diloco: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _stoppable(fn):

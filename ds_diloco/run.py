@@ -52,6 +52,10 @@ it is still starting, so they wait out its start-up, and a coordinator restart."
 MAX_BACKOFF_S = 30.0
 
 
+class CoordinatorStartError(RuntimeError):
+    """The run's coordinator exited, or did not answer, before it served."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,14 +172,22 @@ class LocalRun:
         deadline = time.monotonic() + COORDINATOR_START_S
         while time.monotonic() < deadline:
             if self.coordinator.poll() is not None:
-                raise RuntimeError(f"coordinator exited: see {self.workdir / 'coordinator.log'}")
+                log = self.workdir / "coordinator.log"
+                lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+                raise CoordinatorStartError(
+                    f"the coordinator exited with code {self.coordinator.returncode} before "
+                    f"it answered: {lines[-1] if lines else '(no output)'} (log: {log})"
+                )
             try:
                 client.health()
                 self._mark("coordinator_up_s")
                 return client
             except Exception:
                 time.sleep(0.1)
-        raise RuntimeError(f"coordinator did not come up within {COORDINATOR_START_S:g} s")
+        raise CoordinatorStartError(
+            f"the coordinator did not answer at {self.url} within {COORDINATOR_START_S:g} s "
+            f"(log: {self.workdir / 'coordinator.log'})"
+        )
 
     def start_islands(self) -> None:
         for shard, spec in enumerate(self.cfg.islands):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -217,6 +218,33 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, ti
                 assert s["versions"] != [0] * 4 and s["steps"] == STEPS_OUTAGE
     finally:
         lr.stop()
+
+
+def test_a_coordinator_that_cannot_start_stops_the_islands_started_with_it(
+    tmp_path, tiny_config_path, kill_leftovers
+):
+    # The islands start while the coordinator starts up; when it exits instead of serving
+    # (here: its port is taken), the run stops them and says why in one line.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # bound, not listening: connecting to it is refused
+    port = taken.getsockname()[1]
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}],
+                              steps=50, port=port)  # fmt: skip
+    workdir = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    finally:
+        taken.close()
+        leftovers = kill_leftovers(workdir)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    err = proc.stderr
+    assert "ds-diloco: error: the coordinator exited with code 1 before it answered" in err, err
+    assert "address already in use" in err and "Traceback" not in err, err
+    assert leftovers.strip() == "", leftovers  # the island it started was stopped
+    log = (workdir / "islands" / "a" / "log.txt").read_text()
+    assert "launch.py" in log, log[-2000:]  # the island really was started
 
 
 def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
