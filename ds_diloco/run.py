@@ -189,9 +189,11 @@ class LocalRun:
             f"(log: {self.workdir / 'coordinator.log'})"
         )
 
-    def start_islands(self) -> None:
+    def start_islands(self, skip: set[str] | frozenset[str] = frozenset()) -> None:
+        """Every island of the run but those named in ``skip`` (finished ones, resuming)."""
         for shard, spec in enumerate(self.cfg.islands):
-            self.start_island(spec, shard, len(self.cfg.islands))
+            if spec.name not in skip:
+                self.start_island(spec, shard, len(self.cfg.islands))
         self._mark("islands_started_s")
 
     def _mark(self, what: str) -> None:
@@ -567,20 +569,20 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
 def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict | None]:
     """Start the islands (or resume them at ``point``) with the spawned coordinator,
     supervise them until every island is done, and return (exit code, the coordinator's
-    last status)."""
+    last status).
+
+    A fresh run starts its islands while the coordinator starts up. A resumed one first
+    reads where the coordinator resumed: islands already training could merge before
+    that status is read."""
     if point is None:
         lr.start_islands()
-    else:
-        for shard, spec in enumerate(cfg.islands):
-            if not point[spec.name].get("done"):
-                lr.start_island(spec, shard, len(cfg.islands))
-        lr._mark("islands_started_s")
     client = lr.wait_for_coordinator()
     print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
     board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
     exports = PeriodicExport(cfg, lr)
     if point is not None:
         st = client.status()
+        lr.start_islands(skip={n for n, p in point.items() if p.get("done")})
         where = {n: "finished" if p.get("done") else f"from step {p['step']}"
                  for n, p in point.items()}  # fmt: skip
         print(f"resuming at versions {st['versions']} (merges {st['merges']}); "

@@ -378,3 +378,13 @@ def test_local_islands_skip_the_runner_with_the_world_info_it_would_build(includ
     (info,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
     assert json.loads(base64.urlsafe_b64decode(info)) == {"localhost": slots}
     assert "--master_port=29500" in cmd
+
+
+def test_resuming_starts_only_the_islands_that_had_not_finished(tmp_path, tiny_config_path):
+    islands = [{"name": n, "world_size": 1} for n in ("a", "b", "c")]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1)))
+    started = []
+    lr.start_island = lambda spec, shard, num_shards: started.append((spec.name, shard, num_shards))
+    lr.start_islands(skip={"b"})
+    assert started == [("a", 0, 3), ("c", 2, 3)]  # each keeps its own data shard
+    assert set(lr.startup) == {"islands_started_s"}
