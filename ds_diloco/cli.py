@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ds_diloco import gc_tuning
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+
+_exit_at_once = False
+"""Set by a command whose process leaves without the interpreter's teardown (``program``)."""
 
 
 def _coordinator(args) -> int:
@@ -26,10 +30,13 @@ def _island(args) -> int:
         from ds_diloco.island import run_island
         from ds_diloco.syncer import Superseded
 
+        global _exit_at_once
         try:
             run_island(load_island_config(args.config), plain=args.plain)
+            _exit_at_once = True
         except Superseded as e:  # not a failure to restart from: see Superseded.exit_code
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)
+            _exit_at_once = True
             return Superseded.exit_code
     return 0
 
@@ -307,8 +314,26 @@ def program() -> int:
     """``main`` as a process (the console script, ``python -m ds_diloco.cli``): exits
     without the interpreter's last full collection."""
     code = main()
+    if _exit_at_once:
+        _leave_at_once(code)
     gc_tuning.before_exit()
     return code
+
+
+def _leave_at_once(code: int) -> None:
+    """Flush what the process wrote and exit without the interpreter's teardown.
+
+    An island rank is done once its summary is written and its process group destroyed.
+    At teardown the C++ objects still alive (gloo's and the rendezvous store's threads)
+    are destroyed in no set order, and a thread still joinable aborts the process
+    ("terminate called without an active exception", SIGABRT): the launcher then fails
+    the island, which had finished (seen in a bench launch here, after
+    ``zero.shutdown``).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

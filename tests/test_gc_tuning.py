@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,26 @@ def test_the_program_freezes_every_object_before_it_exits(clean_gc, monkeypatch)
     monkeypatch.setattr(cli, "main", lambda: 0)
     assert cli.program() == 0
     assert gc.get_freeze_count() >= len(gc.get_objects()) // 2, gc.get_freeze_count()
+
+
+def test_an_island_rank_leaves_without_the_interpreters_teardown(tmp_path):
+    # Its work done, a rank exits at once with its code, what it wrote flushed: an atexit
+    # handler (like the C++ destructors of interpreter teardown) never runs.
+    script = (
+        "import atexit, logging, sys\n"
+        "from ds_diloco import cli\n"
+        "def island(args):\n"
+        "    atexit.register(lambda: print('teardown ran', flush=True))\n"
+        "    logging.getLogger('x').warning('logged before the exit')\n"
+        "    print('printed before the exit', end='')\n"
+        "    cli._exit_at_once = True\n"
+        "    return 3\n"
+        "cli._island = island\n"
+        "sys.argv = ['ds-diloco', 'island', '--config', 'unused.yaml']\n"
+        "sys.exit(cli.program())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "printed before the exit", proc.stdout
+    assert "logged before the exit" in proc.stderr, proc.stderr
