@@ -33,12 +33,12 @@ def _island(args) -> int:
         global _exit_at_once
         try:
             run_island(load_island_config(args.config), plain=args.plain)
-            _exit_at_once = True
+            code = 0
         except Superseded as e:  # not a failure to restart from: see Superseded.exit_code
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)
-            _exit_at_once = True
-            return Superseded.exit_code
-    return 0
+            code = Superseded.exit_code
+        _exit_at_once = True  # done, or stopped for good: nothing left for teardown to do
+    return code
 
 
 def _run(args) -> int:
