@@ -384,9 +384,17 @@ class RunConfig:
             raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("max_restarts and restart_backoff_s must be >= 0")
+        data, workdir = Path(self.data.path).resolve(), Path(self.workdir).resolve()
+        if data == workdir or data in workdir.parents:
+            # The corpus is every *.txt below data.path: the islands' log.txt would join it
+            # while the run writes them, and the tokenizer's key would move under it.
+            raise ValueError(
+                f"workdir {self.workdir!r} is inside data.path {self.data.path!r}: the run's "
+                "logs would become part of the corpus; put the workdir elsewhere"
+            )
         if self.model.pretrained and self.data.tokenizer is None:  # not a BPE trained anew
-            data = dataclasses.replace(self.data, tokenizer=self.model.pretrained)
-            object.__setattr__(self, "data", data)
+            with_tokenizer = dataclasses.replace(self.data, tokenizer=self.model.pretrained)
+            object.__setattr__(self, "data", with_tokenizer)
 
 
 def from_dict(cls, data: Any, where: str = ""):

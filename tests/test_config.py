@@ -270,6 +270,7 @@ def test_multinode_islands_take_disjoint_shards():
 
 def test_run_file_errors_name_the_problem(tmp_path):
     path = tmp_path / "run.yaml"
+    (tmp_path / "t").mkdir()  # the corpus folder, so that its path resolves like the workdir
     base = {"model": {"config": "x.json"}, "deepspeed_config": "ds.json", "data": {"path": "t"},
             "islands": [{"name": "a"}]}  # fmt: skip
     for bad, message in (
@@ -281,10 +282,16 @@ def test_run_file_errors_name_the_problem(tmp_path):
         ({"data": {"path": "t", "seq_len": 1}}, "data.seq_len"),
         ({"coordinator": {"norm_guard": {"max_ratio": 0.5}}}, "NormGuard.max_ratio"),
         ({"coordinator": {"norm_guard": {"max_ratio": 5, "min_history": 40}}}, "min_history"),
+        ({"workdir": "t/runs/one"}, r"workdir '\S+/t/runs/one' is inside data.path '\S+/t'"),
+        ({"workdir": "t"}, "inside data.path"),
     ):
         path.write_text(json.dumps({**base, **bad}))
         with pytest.raises(ValueError, match=message):
             load_run_config(path)
+    # Beside the corpus, or in a folder whose name only starts like it, is fine.
+    for workdir in ("runs/one", "t2/run", "../t"):
+        path.write_text(json.dumps({**base, "workdir": workdir}))
+        assert load_run_config(path).workdir.endswith(workdir.lstrip("./"))
 
 
 def test_example_coordinator_config_values():
