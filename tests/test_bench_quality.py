@@ -46,8 +46,10 @@ from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 
 REPO = Path(__file__).resolve().parents[1]
-TOLERANCE = 1.10
-"""Decoupled DiLoCo's held-out loss at most this many times the baseline's, at equal tokens."""
+TOLERANCE = 1.05
+"""Decoupled DiLoCo's held-out loss at most this many times the baseline's, at equal tokens.
+At the benchmark's tuned outer lr / momentum (0.7 / 0.4), 1.006-1.018 in three runs; the
+0.2 this test used to set gave 1.077-1.104 in 14 runs (mean 1.09: 1.10 failed CI)."""
 
 
 def small_setup(tmp_path, tiny_config_path) -> Setup:
@@ -63,12 +65,9 @@ def small_setup(tmp_path, tiny_config_path) -> Setup:
         micro_batch=4,
         lr=3e-3,
         warmup_steps=3,
-        # K = 1 makes each island's upload an outer step of its own: a lower outer rate
-        # than synchronous DiLoCo's 0.7 (0.2 also won on the tuning split here).
-        outer_lr=0.2,
         num_fragments=2,
         sync_every=4,
-        # The paper's tau. At tau = 1 the grace window (0.9 x one 70-100 ms step, less the
+        # The paper's tau. At outer lr 0.2 (this test's then): at tau = 1 the grace window (0.9 x one 70-100 ms step, less the
         # sync) was shorter than one island's lag behind the other: 13-15 of its 15
         # uploads were dropped as stale in 5 of 5 idle runs, loss ratio 1.082-1.097
         # (1.109 once under load); at tau = 2 both islands merge: 1.071-1.087 in 3 runs,
