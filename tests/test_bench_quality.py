@@ -67,11 +67,11 @@ def small_setup(tmp_path, tiny_config_path) -> Setup:
         warmup_steps=3,
         num_fragments=2,
         sync_every=4,
-        # The paper's tau. At outer lr 0.2 (this test's then): at tau = 1 the grace window (0.9 x one 70-100 ms step, less the
-        # sync) was shorter than one island's lag behind the other: 13-15 of its 15
-        # uploads were dropped as stale in 5 of 5 idle runs, loss ratio 1.082-1.097
-        # (1.109 once under load); at tau = 2 both islands merge: 1.071-1.087 in 3 runs,
-        # 1.082 and 1.086 beside a CPU hog.
+        # The paper's tau. At the outer lr 0.2 this test then set: at tau = 1 the grace
+        # window (0.9 x one 70-100 ms step, less the sync) was shorter than one island's
+        # lag behind the other: 13-15 of its 15 uploads were dropped as stale in 5 of 5
+        # idle runs, loss ratio 1.082-1.097 (1.109 once under load); at tau = 2 both
+        # islands merge: 1.071-1.087 in 3 runs, 1.082 and 1.086 beside a CPU hog.
         tau=2,
         eval_blocks=16,
         points=3,
