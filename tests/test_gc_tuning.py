@@ -81,3 +81,35 @@ def test_an_island_rank_leaves_without_the_interpreters_teardown(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "printed before the exit", proc.stdout
     assert "logged before the exit" in proc.stderr, proc.stderr
+
+
+def test_the_island_command_leaves_at_once_when_done_or_superseded_only(clean_gc, monkeypatch):
+    # ``ds-diloco island`` sets the flag ``program`` reads: after a finished run or a
+    # Superseded stop (exit 3, the supervisor must not restart it), not after a failure,
+    # whose traceback and teardown the launcher should see as usual.
+    from ds_diloco import config, island
+    from ds_diloco.syncer import Superseded
+
+    monkeypatch.setattr(config, "load_island_config", lambda path: f"loaded {path}")
+    runs = []
+
+    def finish(cfg, plain):
+        runs.append((cfg, plain))
+
+    def superseded(cfg, plain):
+        raise Superseded("registered again elsewhere")
+
+    def crash(cfg, plain):
+        raise RuntimeError("a rank failed")
+
+    for run_island, code in ((finish, 0), (superseded, Superseded.exit_code), (crash, None)):
+        monkeypatch.setattr(cli, "_exit_at_once", False)
+        monkeypatch.setattr(island, "run_island", run_island)
+        if code is None:
+            with pytest.raises(RuntimeError, match="a rank failed"):
+                cli.main(["island", "--config", "i.yaml", "--plain"])
+            assert not cli._exit_at_once
+        else:
+            assert cli.main(["island", "--config", "i.yaml", "--plain"]) == code
+            assert cli._exit_at_once, run_island.__name__
+    assert runs == [("loaded i.yaml", True)]
