@@ -13,6 +13,8 @@ from ds_diloco.fragments import Schedule
 from ds_diloco.simulate import PAPER_CHIPS, PUBLISHED, SimConfig, failure_trace, simulate
 from ds_diloco.simulate.baselines import simulate_dp, simulate_elastic
 from ds_diloco.simulate.report import parse_count
+from ds_diloco.simulate.result import CHIP_TIME
+from ds_diloco.simulate.trace import slowest_chip
 
 # Small and short: every test below runs in well under a second.
 SMALL = {"chips": 150_000, "islands": 4, "days": 0.1}
@@ -53,6 +55,47 @@ def test_one_island_without_quorum_wait_behaves_like_elastic_data_parallel():
     # Same failures, same pauses (a step's jitter can move a failure into or out of a pause).
     assert abs(diloco.stats["downscales"] - elastic.stats["downscales"]) <= 3
     assert diloco.stats["stale"] == 0
+    # Its chip-time goes where elastic data-parallel's goes; alone, nothing is merged
+    # without it, so it never idles to rejoin the fleet or has its work overwritten.
+    for k in ("away", "paused", "straggler", "lost"):
+        assert diloco.chip_time[k] == pytest.approx(elastic.chip_time[k], abs=0.003), k
+    assert diloco.chip_time["idle"] == diloco.chip_time["overwritten"] == 0.0
+
+
+def test_chip_time_categories_are_each_measured_and_add_up_to_the_whole():
+    # Failures, jitter and costly checkpoints: every category is in use somewhere.
+    cfg = SimConfig(chips=600_000, islands=8, days=0.2, step_cv=0.01, checkpoint_s=2.0)
+    result = simulate(cfg)
+    for r in result.rows:
+        assert set(r.chip_time) == set(CHIP_TIME), r.system
+        assert sum(r.chip_time.values()) == pytest.approx(1.0, abs=1e-9), r.system
+        assert r.chip_time["useful"] == pytest.approx(r.goodput, abs=1e-12)
+        assert min(r.chip_time.values()) > -1e-9, (r.system, r.chip_time)
+    dp, elastic, diloco = (result.get(s).chip_time for s in ("dp", "elastic", "diloco"))
+    assert dp["checkpoint"] > 0.01 and elastic["checkpoint"] == diloco["checkpoint"] == 0
+    assert diloco["overwritten"] > 0.005 and diloco["idle"] > 0.001
+    assert dp["paused"] > elastic["paused"] > diloco["paused"] > 0.01
+    # The slices away are the trace's: a slice fails at rate S / MTBI and is away repair_s,
+    # so r R / (1 + r R) of them are away (data-parallel keeps repaired ones out longer:
+    # until its next restart).
+    r_repair = cfg.chips_per_slice / cfg.chip_mtbi_s * cfg.repair_s
+    expected = r_repair / (1 + r_repair)
+    assert elastic["away"] == pytest.approx(expected, abs=0.01)
+    assert diloco["away"] == pytest.approx(elastic["away"], abs=0.002)
+    assert dp["away"] >= elastic["away"] - 0.002
+
+
+def test_without_failures_the_chip_time_is_useful_or_waits_for_the_slowest_chip():
+    cfg = SimConfig(**SMALL, chip_mtbi_s=math.inf, step_cv=0.01)
+    cut_off = 1.5 * cfg.step_s / cfg.duration_s  # the step in flight at the end
+    for r in simulate(cfg).rows:
+        ct = r.chip_time
+        assert ct["lost"] < cut_off, r.system
+        assert ct["useful"] + ct["straggler"] == pytest.approx(1.0, abs=cut_off), r.system
+        groups = r.islands if r.system == "diloco" else 1
+        wait = cfg.step_cv * slowest_chip(cfg.used_chips // groups)[0]  # mean, per step
+        assert ct["straggler"] / ct["useful"] == pytest.approx(wait, rel=0.05), r.system
+        assert ct["away"] == ct["paused"] == ct["overwritten"] == ct["stale"] == 0.0
 
 
 def test_goodput_falls_monotonically_with_the_failure_rate():
@@ -109,6 +152,7 @@ def test_rounds_are_closed_by_the_coordinators_policy(monkeypatch):
     eager = simulate(cfg.replace(systems=("diloco",))).rows[0]
     assert eager.stats["islands_per_merge"] < 1.5
     assert eager.goodput < result.rows[0].goodput - 0.3
+    assert eager.chip_time["stale"] > result.rows[0].chip_time["stale"] + 0.3
 
 
 def test_grace_window_picks_up_islands_that_arrive_after_the_first():
@@ -247,16 +291,24 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     rc = cli_main(
         ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--days", "0.05",
          "--json", str(out), "--plot", str(png), "--detect-s", "12",
-         "--fixed-batch-chips", "150k"]
+         "--fixed-batch-chips", "150k", "--breakdown"]
     )  # fmt: skip
     assert rc == 0
     table = capsys.readouterr().out
     assert "Decoupled DiLoCo, M=4" in table and "[72]" in table and "uptime %" in table
+    assert "where the chip-time went at 150k chips" in table
+    assert "where the chip-time went at 300k chips" in table
     doc = json.loads(out.read_text())
     assert len(doc["rows"]) == 2 * (2 + 2)  # 2 sizes x (2 baselines + 2 DiLoCo)
     assert {c["detect_s"] for c in doc["configs"]} == {12.0}
     assert {c["fixed_batch_chips"] for c in doc["configs"]} == {150_000}
     assert doc["published"]["dp"]["150000"] == 72
+    assert all(sum(r["chip_time"].values()) == pytest.approx(1.0) for r in doc["rows"])
+    # One size asked for: its breakdown is shown without the flag; two: only with it.
+    assert cli_main(["simulate", "--chips", "150k", "--islands", "2", "--days", "0.02"]) == 0
+    assert "where the chip-time went at 150k chips" in capsys.readouterr().out
+    assert cli_main(["simulate", "--chips", "150k,300k", "--islands", "2", "--days", "0.02"]) == 0
+    assert "where the chip-time went" not in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

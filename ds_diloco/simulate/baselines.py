@@ -24,7 +24,7 @@ import math
 from collections import deque
 
 from ds_diloco.simulate.config import SimConfig
-from ds_diloco.simulate.result import SystemResult
+from ds_diloco.simulate.result import CHIP_TIME, SystemResult
 from ds_diloco.simulate.trace import Trace, mean_step_s
 
 IN, AWAY, BACK = 0, 1, 2  # slice is in the job / away for repair / repaired, not yet rejoined
@@ -46,15 +46,38 @@ class _Group:
         self.seg = 0.0  # start of the running segment, on a step boundary
         self.step = mean_step_s(cfg, self.live * cfg.chips_per_slice)
         self.pause_end = math.inf  # while paused; inf: no live slice, wait for one
-        self.useful = 0.0  # chip-seconds
         self.up = 0.0  # seconds
+        self.spent = dict.fromkeys(CHIP_TIME, 0.0)  # chip-seconds by category
+        self.t = 0.0  # time up to which "away" and "paused" are counted (tick)
+
+    @property
+    def chips(self) -> int:
+        return self.live * self.cfg.chips_per_slice
+
+    def tick(self, t: float) -> None:
+        """Count [self.t, t] of the slices out of the job, and of the live ones if paused
+        (running time is counted by ``end_segment``). Called before every change."""
+        dt, S = t - self.t, self.cfg.chips_per_slice
+        self.spent["away"] += (self.cfg.slices - self.live) * S * dt
+        if not self.running:
+            self.spent["paused"] += self.chips * dt
+        self.t = t
 
     def steps_until(self, t: float) -> int:
         return math.floor((t - self.seg) / self.step + _EPS)
 
-    def keep(self, steps: int) -> None:
-        self.useful += steps * self.cfg.chip_step_s * self.live * self.cfg.chips_per_slice
+    def end_segment(self, t: float, steps: int, checkpoints: int = 0) -> None:
+        """The running segment [seg, t] ends: ``steps`` of it are kept, after
+        ``checkpoints`` checkpoints; the rest of its time is lost."""
+        chips, mean, spent = self.chips, self.cfg.chip_step_s, self.spent
+        spent["useful"] += steps * mean * chips
+        spent["straggler"] += steps * (self.step - mean) * chips
+        spent["checkpoint"] += checkpoints * self.cfg.checkpoint_s * chips
+        spent["lost"] += (
+            t - self.seg - steps * self.step - checkpoints * self.cfg.checkpoint_s
+        ) * chips
         self.up += steps * self.step
+        self.seg = t
 
     def fail(self, t: float, j: int) -> bool:
         """Slice ``j`` fails at ``t``; True if it was in the job (the caller reacts)."""
@@ -83,14 +106,17 @@ class _Group:
 
     def result(self, system: str, failures: int, stats: dict) -> SystemResult:
         cfg = self.cfg
+        self.tick(cfg.duration_s)
+        total = cfg.used_chips * cfg.duration_s
         return SystemResult(
             system=system,
             chips=cfg.used_chips,
             islands=1,
-            goodput=self.useful / (cfg.used_chips * cfg.duration_s),
+            goodput=self.spent["useful"] / total,
             uptime=self.up / cfg.duration_s,
             failures=failures,
             stats=stats,
+            chip_time={k: v / total for k, v in self.spent.items()},
         )
 
 
@@ -124,9 +150,10 @@ def simulate_elastic(cfg: SimConfig, trace: Trace) -> SystemResult:
         return upscale_at if g.running else g.pause_end
 
     for t, kind, j in _events(cfg, trace, g, next_action):
+        g.tick(t)
         if kind == "action":
             if g.running:  # upscale at a step boundary: no step lost
-                g.keep(g.steps_until(t))
+                g.end_segment(t, g.steps_until(t))
                 g.running, g.pause_end, upscale_at = False, t + cfg.upscale_s, math.inf
                 upscales += 1
             else:
@@ -134,7 +161,7 @@ def simulate_elastic(cfg: SimConfig, trace: Trace) -> SystemResult:
         elif kind == "fail":
             if g.fail(t, j):
                 if g.running:  # the step in flight is lost
-                    g.keep(g.steps_until(t))
+                    g.end_segment(t, g.steps_until(t))
                     g.running, upscale_at = False, math.inf
                     g.pause_end = t + cfg.detect_s + cfg.downscale_s
                     pauses += 1
@@ -147,7 +174,7 @@ def simulate_elastic(cfg: SimConfig, trace: Trace) -> SystemResult:
             elif not g.running and g.pause_end == math.inf:  # no slice was left
                 g.pause_end = t + cfg.upscale_s
     if g.running:
-        g.keep(g.steps_until(cfg.duration_s))
+        g.end_segment(cfg.duration_s, g.steps_until(cfg.duration_s))
     return g.result("elastic", len(trace), {"downscales": pauses, "upscales": upscales})
 
 
@@ -180,14 +207,15 @@ def simulate_dp(cfg: SimConfig, trace: Trace) -> SystemResult:
         return k, k * g.step + cfg.checkpoint_s
 
     def done(t: float) -> tuple[int, int]:
-        """(steps saved by a completed checkpoint, steps after it) since ``g.seg``."""
+        """(checkpoints completed, steps after the last) since ``g.seg``."""
         e = t - g.seg
         periods = math.floor(e / period + _EPS)
         rest = e - periods * period  # a checkpoint still being written is not saved
-        return periods * k, min(k, math.floor(rest / g.step + _EPS))
+        return periods, min(k, math.floor(rest / g.step + _EPS))
 
     k, period = plan()
     for t, kind, j in _events(cfg, trace, g, lambda: math.inf if g.running else g.pause_end):
+        g.tick(t)
         if kind == "action":
             g.rejoin(t)
             k, period = plan()
@@ -195,7 +223,7 @@ def simulate_dp(cfg: SimConfig, trace: Trace) -> SystemResult:
             if g.fail(t, j):
                 if g.running:  # back to the last checkpoint
                     saved, lost = done(t)
-                    g.keep(saved)
+                    g.end_segment(t, saved * k, saved)
                     rolled_back += lost
                     g.running = False
                     g.pause_end = t + cfg.detect_s + cfg.restart_s
@@ -206,7 +234,8 @@ def simulate_dp(cfg: SimConfig, trace: Trace) -> SystemResult:
             g.back.add(j)
             if not g.running and g.pause_end == math.inf:
                 g.pause_end = t + cfg.restart_s
-    if g.running:  # the run ends with a checkpoint
-        g.keep(sum(done(cfg.duration_s)))
+    if g.running:  # the run ends with a checkpoint (its time is after the end)
+        saved, after = done(cfg.duration_s)
+        g.end_segment(cfg.duration_s, saved * k + after, saved)
     stats = {"restarts": restarts, "rolled_back_steps": rolled_back, "checkpoint_every": k}
     return g.result("dp", len(trace), stats)

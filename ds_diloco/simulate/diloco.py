@@ -19,6 +19,11 @@ Accounting (goodput):
   merged meanwhile (its own work on those is lost) and rejoins the fleet's
   schedule at the leading island's next step boundary (it idles until then), so
   its uploads land in the same rounds as the others'.
+- The rest of the chip-time is counted where it goes (``SystemResult.chip_time``):
+  slices away, pauses, idling to rejoin, waits for the slowest chip, steps cut off,
+  stale contributions, and work overwritten by fragments merged without the island
+  -- which, a fragment missed being one with up to H steps of work on it, costs
+  more than the pause that caused it.
 
 Liveness: the coordinator counts an island as live while it holds a lease
 (``island_timeout_s``, 20 s, renewed by heartbeats). A re-forming island keeps
@@ -38,7 +43,7 @@ import numpy as np
 from ds_diloco import round_policy
 from ds_diloco.round_policy import Ema, RoundState
 from ds_diloco.simulate.config import SimConfig
-from ds_diloco.simulate.result import SystemResult
+from ds_diloco.simulate.result import CHIP_TIME, SystemResult
 from ds_diloco.simulate.trace import EULER_GAMMA, Trace, slowest_chip
 
 IN, AWAY, BACK = 0, 1, 2  # slice: in its island / away for repair / repaired, not yet rejoined
@@ -106,13 +111,31 @@ class _Sim:
         self.stats = dict.fromkeys(
             ("merges", "contributions", "stale", "downscales", "upscales", "rejoins"), 0
         )
-        self.lost_stale = self.lost_refresh = 0.0
+        self.spent = dict.fromkeys(CHIP_TIME, 0.0)  # chip-seconds by category, but useful
+        self.sum_live, self.t_away = sum(self.live), 0.0  # chips in a group; counted up to
+        self.t_mode = [0.0] * M  # each island's live chips counted by mode up to here
         for m in range(M):
             if self.live[m]:
                 self._schedule_step(m, 0.0)
             else:
                 self.mode[m] = DEAD
                 self.n_dead += 1
+
+    # ------------------------------------------------------------- chip-time
+    def _tick(self, m: int, t: float) -> None:
+        """Count island m's live chips since the last tick by its mode (a step's time is
+        counted when it ends or is cut off), and the chips in no group. Called before
+        every change of an island's mode or live chips."""
+        mode = self.mode[m]
+        if mode in (PAUSE, WAIT):
+            self.spent["paused" if mode == PAUSE else "idle"] += self.live[m] * (t - self.t_mode[m])
+        self.t_mode[m] = t
+        self.spent["away"] += (self.cfg.used_chips - self.sum_live) * (t - self.t_away)
+        self.t_away = t
+
+    def _set_live(self, m: int, chips: int) -> None:
+        self.sum_live += chips - self.live[m]
+        self.live[m] = chips
 
     # ------------------------------------------------------------- time base
     def _draw(self, m: int) -> float:
@@ -181,6 +204,7 @@ class _Sim:
     def _step_end(self, m: int, t: float) -> None:
         self.step_ema[m].update(t - self.start[m])
         c = self.cum[m] = self.cum[m] + self.live[m] * self.step_s
+        self.spent["straggler"] += self.live[m] * (t - self.start[m] - self.step_s)
         s = self.idx[m]
         if self.pending[m]:  # rounds that were open when it rejoined
             keep = []
@@ -198,7 +222,7 @@ class _Sim:
             self.mark[m][p] = c
             if base[p] != self.version[p]:
                 self.stats["stale"] += 1
-                self.lost_stale += cov
+                self.spent["stale"] += cov
             elif m in self.r_isl[p]:  # sent again before its last send merged (after a jump)
                 self.r_cov[p][self.r_isl[p].index(m)] += cov
             else:
@@ -211,6 +235,7 @@ class _Sim:
         self._cover(self.start[m], t)
         if self.upscale[m]:
             self.stats["upscales"] += 1
+            self._tick(m, t)
             self._pause(m, t, self.cfg.upscale_s)
         else:
             self._schedule_step(m, t)
@@ -240,9 +265,10 @@ class _Sim:
         cov.append([a, b])
 
     def _resume(self, m: int, t: float) -> None:
+        self._tick(m, t)
         for j in self.back[m]:
             self.state[j] = IN
-        self.live[m] += len(self.back[m]) * self.S
+        self._set_live(m, self.live[m] + len(self.back[m]) * self.S)
         self.back[m].clear()
         if self.live[m] == 0:
             self.mode[m] = DEAD
@@ -278,6 +304,7 @@ class _Sim:
         A fragment whose round is still open (the fleet just sent it) is taken once that
         round merges, as an island waits for the merge of its own sends.
         """
+        self._tick(m, t)
         self.stats["rejoins"] += 1
         self._apply(m, math.inf)  # merged values of its own sends
         for p in range(self.P):
@@ -295,7 +322,7 @@ class _Sim:
         """Island m overwrites fragment p with the global value: its work on p since its
         last send is lost."""
         c = self.cum[m]
-        self.lost_refresh += (c - self.mark[m][p]) / self.P
+        self.spent["overwritten"] += (c - self.mark[m][p]) / self.P
         self.mark[m][p], self.base[m][p] = c, self.version[p]
 
     def _fail(self, t: float, j: int) -> None:
@@ -308,7 +335,10 @@ class _Sim:
         if s == BACK:
             self.back[m].discard(j)
             return
-        self.live[m] -= self.S
+        self._tick(m, t)
+        if self.mode[m] == RUN:
+            self.spent["lost"] += self.live[m] * (t - self.start[m])
+        self._set_live(m, self.live[m] - self.S)
         if self.mode[m] in (RUN, WAIT):  # RUN: the step in flight is lost
             self.stats["downscales"] += 1
             self._pause(m, t, self.cfg.detect_s + self.cfg.downscale_s)
@@ -322,6 +352,7 @@ class _Sim:
             self.upscale[m] = True  # at its next step boundary
         elif self.mode[m] == DEAD:
             self.n_dead -= 1
+            self._tick(m, t)
             self._pause(m, t, self.cfg.upscale_s)
 
     # ------------------------------------------------------------------ loop
@@ -362,21 +393,29 @@ class _Sim:
 
     def _finish(self, horizon: float) -> None:
         # Work still on its way into the model counts: open rounds will merge, and
-        # fresh local progress will be sent at its fragment's next turn.
+        # fresh local progress will be sent at its fragment's next turn. Progress on a
+        # fragment already merged without the island will be overwritten; progress since
+        # a send whose round is still open is cut off by the end, like a step in flight.
         for p in range(self.P):
             self.useful += sum(self.r_cov[p])
         for m in range(self.M):
+            self._tick(m, horizon)
+            if self.mode[m] == RUN:
+                self.spent["lost"] += self.live[m] * (horizon - self.start[m])
             self._apply(m, math.inf)  # merged values it has not applied yet
             for p in range(self.P):
-                if self.base[m][p] == self.version[p] and m not in self.r_isl[p]:
-                    self.useful += (self.cum[m] - self.mark[m][p]) / self.P
+                local = (self.cum[m] - self.mark[m][p]) / self.P
+                if m in self.r_isl[p]:
+                    self.spent["lost"] += local
+                elif self.base[m][p] == self.version[p]:
+                    self.useful += local
+                else:
+                    self.spent["overwritten"] += local
 
     def result(self, failures: int) -> SystemResult:
         cfg = self.cfg
         total = cfg.used_chips * cfg.duration_s
         stats = dict(self.stats)
-        stats["lost_stale_share"] = self.lost_stale / total
-        stats["lost_rejoin_share"] = self.lost_refresh / total
         merges = max(1, stats["merges"])
         stats["islands_per_merge"] = stats["contributions"] / merges
         return SystemResult(
@@ -387,4 +426,6 @@ class _Sim:
             uptime=sum(b - a for a, b in self.covered) / cfg.duration_s,
             failures=failures,
             stats=stats,
+            chip_time={"useful": self.useful / total}
+            | {k: v / total for k, v in self.spent.items() if k != "useful"},
         )

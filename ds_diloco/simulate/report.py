@@ -16,6 +16,7 @@ from ds_diloco.simulate.config import (
     SYSTEMS,
     SimConfig,
 )
+from ds_diloco.simulate.result import CHIP_TIME
 from ds_diloco.simulate.run import Result, sweep
 
 # Set by their own flags (lists, or not numbers); every other SimConfig field gets --field-name.
@@ -50,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="processes (results do not depend on it)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="where the chip-time went, per system, at every cluster size "
+                   "(default: only when one size is asked for)")  # fmt: skip
     p.add_argument("--plot", metavar="PNG", default=None, help="write goodput vs chips as a PNG")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="write the results as JSON ('-': to stdout, instead of the tables)")  # fmt: skip
@@ -118,6 +122,25 @@ def tables(result: Result, requested: list[int], slice_chips: int) -> str:
     return "\n".join(out)
 
 
+def breakdown(result: Result, requested: list[int], slice_chips: int) -> str:
+    """Per cluster size, where each system's chip-time went (% of it, by ``CHIP_TIME``);
+    categories no system spent anything on are left out."""
+    out = []
+    for n in sorted({_nominal(r.chips, requested, slice_chips) for r in result.rows}):
+        rows = [r for r in result.rows if _nominal(r.chips, requested, slice_chips) == n]
+        cats = [k for k in CHIP_TIME if any(r.chip_time[k] >= 5e-4 for r in rows)]
+        width = max(len(r.label) for r in rows) + 2
+        out.append(f"where the chip-time went at {_short(n)} chips, %")
+        out.append(" " * width + "".join(f"{k:>12}" for k in cats))
+        for r in rows:
+            out.append(
+                f"{r.label:<{width}}" + "".join(f"{100 * r.chip_time[k]:>12.1f}" for k in cats)
+            )
+        out.append("")
+    out += [f"  {k}: {v}" for k, v in CHIP_TIME.items()]
+    return "\n".join(out) + "\n"
+
+
 def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> None:
     import matplotlib
 
@@ -167,6 +190,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         print()
     else:
         print(tables(result, args.chips, cfg.chips_per_slice))
+        if args.breakdown or len(args.chips) == 1:
+            print(breakdown(result, args.chips, cfg.chips_per_slice))
         print(f"{cfg.days:g} simulated days, seed {cfg.seed}, {result.wall_s:.1f}s wall")
     if args.json and args.json != "-":
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -5,6 +5,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+CHIP_TIME = {
+    "useful": "steps that end up in the model (the goodput)",
+    "away": "slices away for repair, or repaired and not yet back in a group",
+    "paused": "detecting a failure, restarting, re-forming a group (down- and upscaling)",
+    "idle": "a rejoined island idle until the fleet's next step boundary (DiLoCo)",
+    "straggler": "each step's wait for its slowest chip",
+    "checkpoint": "writing checkpoints (data-parallel)",
+    "lost": "steps cut off by a failure or the run's end, or rolled back to a checkpoint",
+    "stale": "contributions dropped as stale (DiLoCo)",
+    "overwritten": "local work replaced by a fragment merged without the island (DiLoCo)",
+}
+"""Where the allocated chip-time goes: ``SystemResult.chip_time`` has these keys."""
+
 LABELS = {
     "dp": "data-parallel, restart on failure",
     "elastic": "elastic data-parallel",
@@ -40,10 +53,20 @@ class SystemResult:
     stats: dict = field(default_factory=dict)
     """System-specific counters (pauses, restarts, merges, dropped contributions...)."""
 
+    chip_time: dict[str, float] = field(default_factory=dict)
+    """Shares of the allocated chip-time by ``CHIP_TIME`` category; they add up to 1 and
+    ``chip_time["useful"]`` is the goodput. Each is measured on its own, not as a rest."""
+
     @property
     def label(self) -> str:
         base = LABELS[self.system]
         return f"{base}, M={self.islands}" if self.system == "diloco" else base
+
+    def __post_init__(self) -> None:
+        unknown = set(self.chip_time) - set(CHIP_TIME)
+        if unknown:
+            raise ValueError(f"unknown chip-time categories {sorted(unknown)}")
+        self.chip_time = {k: self.chip_time.get(k, 0.0) for k in CHIP_TIME}
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "label": self.label}
