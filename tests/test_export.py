@@ -197,6 +197,46 @@ def test_tokenizer_is_saved_with_the_model(served, tmp_path):
     assert model(ids).logits.shape == (1, ids.shape[1], TINY_LLAMA["vocab_size"])
 
 
+def test_exporting_again_replaces_the_earlier_export_whole(served, tmp_path):
+    # Saving into the old folder would leave its files: an old model.safetensors next to
+    # a new sharded index is what from_pretrained loads, an old tokenizer what
+    # AutoTokenizer loads. Measured before the fix: the earlier bf16 weights came back.
+    train_tokenizer([SONNETS], 384, tmp_path / "tok")
+    config, tensors = load_global_tensors(served.state_dir)
+    out = tmp_path / "hf"
+    export_model(config, tensors, out, tokenizer=tmp_path / "tok", dtype="bfloat16")
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    newer = {n: t + 0.25 for n, t in tensors.items()}
+    export_model(config, newer, out, max_shard_size="100KB")  # sharded, fp32, no tokenizer
+    assert not (out / "model.safetensors").exists() and not (out / "tokenizer.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert loaded.dtype == torch.float32 and torch.equal(loaded.get_parameter(name), newer[name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tok"]  # nothing left beside
+
+    # An export that fails leaves the earlier one as it was.
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="shape"):
+        export_model(config, {**tensors, name: tensors[name][:1]}, out)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tok"]
+
+
+def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
+    config, tensors = load_global_tensors(served.state_dir)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no earlier export"):
+        export_model(config, tensors, tmp_path)
+    with pytest.raises(ValueError, match="holds no earlier export"):
+        export(served.state_dir, tmp_path)
+    with pytest.raises(ValueError, match="is a file"):
+        export_model(config, tensors, tmp_path / "notes.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (Path(export_model(config, tensors, empty)) / "config.json").is_file()
+
+
 # --------------------------------------------------------------- errors
 def test_a_folder_that_is_not_a_state_dir(tmp_path):
     with pytest.raises(ValueError, match="is not a coordinator state directory"):
