@@ -116,6 +116,7 @@ class LocalRun:
         self.cfg = cfg
         self.workdir = Path(cfg.workdir)
         if fresh:  # a run starts from the initial model; keep the corpus cache
+            _refuse_foreign_state(cfg)
             shutil.rmtree(self.workdir / "state", ignore_errors=True)
             shutil.rmtree(self.workdir / "islands", ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -512,6 +513,21 @@ def _wait(p: subprocess.Popen, timeout: float) -> None:
         _signal_group(p, signal.SIGKILL)
         p.wait(timeout=10)
         _group_gone(p.pid, 10)
+
+
+def _refuse_foreign_state(cfg: RunConfig) -> None:
+    """A fresh run clears its own ``workdir/state``; a ``coordinator.state_dir`` set
+    elsewhere is not deleted, and the coordinator would continue from what it holds
+    (versions, outer momentum, islands) instead of the initial model."""
+    from ds_diloco.state_store import StateStore
+
+    state = Path(cfg.coordinator.state_dir)
+    if state.resolve() != (Path(cfg.workdir) / "state").resolve() and StateStore(state).exists():
+        raise ValueError(
+            f"coordinator.state_dir {str(state)!r} holds an earlier run's state "
+            "(coordinator.json): add --resume to continue that run, or remove it or set "
+            "another state_dir to start afresh"
+        )
 
 
 def resume_point(cfg: RunConfig) -> dict:

@@ -388,3 +388,24 @@ def test_resuming_starts_only_the_islands_that_had_not_finished(tmp_path, tiny_c
     lr.start_islands(skip={"b"})
     assert started == [("a", 0, 3), ("c", 2, 3)]  # each keeps its own data shard
     assert set(lr.startup) == {"islands_started_s"}
+
+
+def test_a_fresh_run_refuses_a_state_dir_of_its_own_that_holds_a_run(tmp_path, tiny_config_path):
+    # Only workdir/state is cleared by a fresh run; a state_dir elsewhere holding a run
+    # would have been continued silently (its versions, outer momentum and islands).
+    islands = [{"name": "a", "world_size": 1}]
+    elsewhere = tmp_path / "kept-state"
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1,
+                                         state_dir=str(elsewhere)))  # fmt: skip
+    LocalRun(cfg)  # nothing there yet
+    elsewhere.mkdir()
+    (elsewhere / "coordinator.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds an earlier run's state.*--resume"):
+        LocalRun(cfg)
+    assert (elsewhere / "coordinator.json").exists()
+    # The run's own workdir/state is its to clear.
+    own = load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1))
+    (Path(own.workdir) / "state").mkdir(parents=True)
+    (Path(own.workdir) / "state" / "coordinator.json").write_text("{}")
+    LocalRun(own)
+    assert not (Path(own.workdir) / "state").exists()
