@@ -638,8 +638,14 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
 def run(cfg: RunConfig, resume: bool = False) -> int:
     """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
     from ds_diloco.data import heldout_split, prepare_corpus, tokenizer_dir
-    from ds_diloco.export import export_model, load_global_tensors
+    from ds_diloco.export import check_out_folder, export
 
+    if cfg.push_to_hub:  # before the run, not after it
+        from ds_diloco.hub import resolve_token
+
+        resolve_token(cfg.push_to_hub)
+    if cfg.export:
+        check_out_folder(Path(cfg.workdir) / "export")
     point = resume_point(cfg) if resume else None
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
@@ -675,17 +681,38 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             summary["islands"][spec.name] = json.loads(path.read_text())
     state = Path(cfg.coordinator.state_dir) / "coordinator.json"  # none if stopped starting
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
-    export_dir = None
-    if cfg.export and code == 0:
-        config, tensors = load_global_tensors(cfg.coordinator.state_dir)
+    export_dir = g = None
+    if cfg.export and code == 0:  # from the state dir: its generation config comes along
         tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
-        export_dir = Path(export_model(config, tensors, lr.workdir / "export", tokenizer=tok))
+        export_dir = lr.workdir / "export"
+        g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)
     if code == 0:
         summary.update(evaluate(cfg, export_dir, heldout))
     (lr.workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     _print_summary(summary)
+    if g is not None:
+        _publish(cfg, g, export_dir, summary)
     return code
+
+
+def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
+    """The final export's model card with the run's own figures (held-out losses, islands,
+    goodput), then, with ``push_to_hub``, the folder to the Hub."""
+    from ds_diloco.model_card import RunSummary, model_card
+
+    repo = cfg.push_to_hub
+    title = repo.split("/")[-1] if repo else Path(cfg.workdir).resolve().name
+    card = model_card(g, RunSummary.from_json(summary), title=title, tokenizer=True, repo=repo)
+    (export_dir / "README.md").write_text(card)
+    if repo:
+        from ds_diloco.hub import push_folder
+
+        try:
+            url = push_folder(export_dir, repo)
+            print(f"pushed {export_dir} to {repo}: {url}", flush=True)
+        except Exception as e:  # the run and its export are done: say so, do not lose them
+            print(f"[export] pushing {export_dir} to {repo} failed: {e}", flush=True)
 
 
 def _print_summary(s: dict) -> None:

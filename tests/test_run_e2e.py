@@ -87,6 +87,9 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     )  # fmt: skip
     assert summary["sample"].startswith("Shall I")
     assert len(summary["sample"]) > len("Shall I") + 20, summary["sample"]  # not the prompt alone
+    # The export's model card carries the run's own figures.
+    card = (workdir / "export" / "README.md").read_text()
+    assert f"{summary['heldout_loss_merged']:.4f}" in card, card
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
     assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
@@ -409,3 +412,16 @@ def test_a_fresh_run_refuses_a_state_dir_of_its_own_that_holds_a_run(tmp_path, t
     (Path(own.workdir) / "state" / "coordinator.json").write_text("{}")
     LocalRun(own)
     assert not (Path(own.workdir) / "state").exists()
+
+
+def test_a_run_that_pushes_to_the_hub_checks_its_token_before_anything_starts(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no login on this machine
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "push_to_hub": "me/model"}))
+    with pytest.raises(ValueError, match="pushing to me/model needs a Hugging Face token"):
+        run_mod.run(load_run_config(path))
+    assert not (tmp_path / "run").exists()  # no coordinator, no island, no workdir
