@@ -265,6 +265,16 @@ class CoordinatorClient:
     def model_config(self) -> dict:
         return self._request("GET", "/v1/model-config").json()
 
+    def generation_config(self) -> dict | None:
+        """The model's generation_config.json; None when it has none (or the coordinator
+        predates the endpoint)."""
+        try:
+            return self._request("GET", "/v1/generation-config").json()
+        except RefusedError as e:
+            if e.status == 404:
+                return None
+            raise
+
     def versions(
         self, island: str | None = None, known: list[int] | None = None, wait: float = 0.0
     ) -> list[int]:

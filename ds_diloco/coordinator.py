@@ -522,6 +522,15 @@ class Coordinator:
 
         return json.loads((self.store.model_dir / "config.json").read_text())
 
+    def generation_config(self) -> dict:
+        """The global model's generation_config.json, saved with its config.json at start."""
+        import json
+
+        path = self.store.model_dir / "generation_config.json"
+        if not path.is_file():
+            raise CoordinatorError(404, "the state directory has no model/generation_config.json")
+        return json.loads(path.read_text())
+
     def plan_info(self) -> dict:
         return {
             "plan": self.plan.to_json(),

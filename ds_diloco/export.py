@@ -141,7 +141,10 @@ def _from_state_dir(root: Path) -> GlobalModel:
     tensors: dict[str, torch.Tensor] = {}
     versions = []
     for frag in plan.fragments:
-        version, values, _ = store.read_fragment(frag.index)
+        try:
+            version, values, _ = store.read_fragment(frag.index)
+        except FileNotFoundError as e:
+            raise ValueError(f"{e}: the state directory is incomplete") from None
         tensors.update(split_fragment(frag, values))
         versions.append(version)
     log.info("read %d fragments from %s at versions %s", len(plan), root, versions)
@@ -169,6 +172,7 @@ def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel
         plan = FragmentPlan.from_json(info["plan"])
         try:
             config = client.model_config()
+            generation_config = client.generation_config()
         except CoordinatorError as e:
             raise ValueError(
                 f"coordinator {url} could not serve its model config ({e}): its state "
@@ -212,6 +216,7 @@ def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel
         merges=status.get("merges"),
         islands=status.get("islands", {}),
         schedule=info.get("schedule", {}),
+        generation_config=generation_config,
     )
 
 

@@ -128,6 +128,7 @@ class CoordinatorServer:
                 web.get("/v1/plan", self.plan),
                 web.get("/v1/versions", self.versions),
                 web.get("/v1/model-config", self.model_config),
+                web.get("/v1/generation-config", self.generation_config),
                 web.post("/v1/islands", self.register),
                 web.delete("/v1/islands/{island}", self.leave),
                 web.post("/v1/islands/{island}/start", self.island_start),
@@ -196,6 +197,9 @@ class CoordinatorServer:
 
     async def model_config(self, request):
         return web.json_response(await self._run(self.coord.model_config))
+
+    async def generation_config(self, request):
+        return web.json_response(await self._run(self.coord.generation_config))
 
     async def versions(self, request):
         """Versions now, or (with known=v0,v1,... and wait=S) once one is newer than known."""

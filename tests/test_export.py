@@ -122,6 +122,20 @@ def test_state_dir_and_url_give_the_global_tensors(served, monkeypatch):
     assert list(from_dir.tensors) == [s.name for s in served.coord.plan.specs]  # model order
     saved_config = json.loads((served.state_dir / "model" / "config.json").read_text())
     assert from_dir.config == from_url.config == saved_config
+    # The generation config too (a pretrained start's end-of-sequence tokens, sampling
+    # defaults): the URL export used to derive one from config.json instead.
+    gen_path = served.state_dir / "model" / "generation_config.json"
+    gen = {**json.loads(gen_path.read_text()), "eos_token_id": [2, 7], "temperature": 0.6}
+    saved_gen = gen_path.read_text()
+    try:
+        gen_path.write_text(json.dumps(gen))
+        assert load_global(served.url, token=TOKEN).generation_config == gen
+        assert load_global(served.state_dir).generation_config == gen
+        gen_path.unlink()  # a state directory without one: both say so the same way
+        assert load_global(served.url, token=TOKEN).generation_config is None
+        assert load_global(served.state_dir).generation_config is None
+    finally:
+        gen_path.write_text(saved_gen)
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the token may come from the environment
     config, tensors = load_global_tensors(served.url)
@@ -238,6 +252,18 @@ def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
 
 
 # --------------------------------------------------------------- errors
+def test_a_state_dir_missing_a_fragment_is_named_in_one_line(served, tmp_path, capsys):
+    state = tmp_path / "state"
+    shutil.copytree(served.state_dir, state)
+    (frag,) = [p for p in (state / "fragments").iterdir() if p.name.startswith("frag-00001")]
+    frag.unlink()
+    with pytest.raises(ValueError, match=f"lacks {frag.name}: the state directory is incomplete"):
+        load_global(state)
+    assert cli.main(["export", "--from", str(state), "--out", str(tmp_path / "out")]) == 2
+    assert "is incomplete" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_folder_that_is_not_a_state_dir(tmp_path):
     with pytest.raises(ValueError, match="is not a coordinator state directory"):
         load_global_tensors(tmp_path)
