@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import weakref
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import torch
 
@@ -43,6 +43,11 @@ from ds_diloco.fragments import Fragment
 from ds_diloco.sharding import shard_range
 
 log = logging.getLogger(__name__)
+
+
+def _quote(island: str) -> str:
+    """An island id as one URL path segment ("a?b" must not leave island "a")."""
+    return quote(island, safe="")
 
 
 class _StatusError(RuntimeError):
@@ -294,13 +299,13 @@ class CoordinatorClient:
     def start(self, island: str) -> dict:
         """Say ``island`` takes its first step now: {"started": how many of the run's islands
         have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
-        return self._post_json(f"/v1/islands/{island}/start").json()
+        return self._post_json(f"/v1/islands/{_quote(island)}/start").json()
 
     def leave(self, island: str, incarnation: int | None = None) -> dict:
         """The island leaves the run for good (a later register brings it back);
         ``incarnation``: only if that registration is still the island's current one."""
         query = "" if incarnation is None else f"?incarnation={incarnation}"
-        return self._request("DELETE", f"/v1/islands/{island}{query}").json()
+        return self._request("DELETE", f"/v1/islands/{_quote(island)}{query}").json()
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -195,6 +196,13 @@ def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
 
 
 _MAX_CACHED_BODIES = 64
+MAX_COUNTER = 2**53
+"""Upper bound of an upload's counters (step, steps, tokens, versions, incarnation): the
+integers a float64 holds exactly. Larger ones overflowed the token weight (tokens^2 /
+steps = inf: the round's merge failed and every island's contribution in it was lost),
+the step-time EMA and /metrics."""
+ISLAND_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""An island id: it goes into URL paths and file names as it is."""
 """Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
 
 
@@ -417,9 +425,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ islands
     def register(self, island: str, world_size: int, signature: str) -> dict:
-        if not island or not isinstance(island, str) or len(island) > 128:
-            raise CoordinatorError(400, "island id must be a non-empty string of <= 128 chars")
-        if not isinstance(world_size, int) or world_size < 1:
+        if not isinstance(island, str) or not ISLAND_ID.fullmatch(island) or island in (".", ".."):
+            raise CoordinatorError(
+                400, f"island id must be 1-128 of A-Z a-z 0-9 . _ - (not . or ..), got {island!r}"
+            )
+        if type(world_size) is not int or not 1 <= world_size <= MAX_COUNTER:  # not a bool
             raise CoordinatorError(
                 400, f"world_size must be a positive integer, got {world_size!r}"
             )
@@ -492,7 +502,8 @@ class Coordinator:
         if self._round_clock is None or pace is None:
             return None
         position, at = self._round_clock
-        return (position + max(now - at, 0.0) / pace) % self.cfg.sync_every
+        clock = (position + max(now - at, 0.0) / pace) % self.cfg.sync_every
+        return clock if math.isfinite(clock) else None
 
     def _fastest_step_s(self) -> float | None:
         """The fastest island's inner step time (None before any is measured)."""
@@ -727,6 +738,14 @@ class Coordinator:
                 f"counters out of range: step {h.step} and steps {h.steps} must be >= 1, "
                 f"tokens {h.tokens} and base_version {h.base_version} must be >= 0",
             )
+        big = [f"{n} {getattr(h, n)}" for n in ("step", "steps", "tokens", "base_version",
+               "incarnation", "world_size") if getattr(h, n) > MAX_COUNTER]  # fmt: skip
+        if big:
+            raise CoordinatorError(422, f"counters out of range: {', '.join(big)} over 2**53")
+        if h.steps > h.step:
+            raise CoordinatorError(
+                422, f"steps {h.steps} since the last sync exceed the island's step {h.step}"
+            )
         names = set(frag.names)
         missing, extra = sorted(names - set(slices)), sorted(set(slices) - names)
         if missing or extra:
@@ -761,7 +780,9 @@ class Coordinator:
                 if not torch.isfinite(torch.tensor(v))
             )
             raise CoordinatorError(
-                422, f"slice {bad!r} from island {h.island!r} rank {h.rank} holds NaN or Inf"
+                422,
+                f"slice {bad!r} from island {h.island!r} rank {h.rank} holds NaN or Inf, or "
+                "values whose squares overflow float32 (|x| > 1.8e19)",
             )
         return sq
 

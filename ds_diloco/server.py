@@ -16,6 +16,7 @@ import contextlib
 import faulthandler
 import hmac
 import logging
+import math
 import signal
 import threading
 
@@ -160,7 +161,10 @@ class CoordinatorServer:
             header = request.headers.get("Authorization", "")
             if not header.startswith("Bearer "):
                 raise CoordinatorError(401, "missing bearer token (Authorization: Bearer ...)")
-            if not hmac.compare_digest(header[len("Bearer ") :].encode(), self._token):
+            # Headers are decoded with surrogateescape: encode back the same way (bytes that
+            # are not UTF-8 are a wrong token, not a 500).
+            token = header[len("Bearer ") :].encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(token, self._token):
                 raise CoordinatorError(401, "wrong bearer token")
         return await handler(request)
 
@@ -209,9 +213,12 @@ class CoordinatorServer:
         if "known" in request.query:
             try:
                 known = [int(v) for v in request.query["known"].split(",")]
-                wait = min(float(request.query.get("wait", 0)), _MAX_WAIT_S)
+                wait = float(request.query.get("wait", 0))
+                if math.isnan(wait):  # never <= 0: the poll would never end
+                    raise ValueError
             except ValueError:
                 raise CoordinatorError(400, "versions: known=v0,v1,... and wait=seconds") from None
+            wait = min(max(wait, 0.0), _MAX_WAIT_S)
             if len(known) != len(self.coord.versions()):
                 raise CoordinatorError(
                     400, f"versions: known has {len(known)} entries, there are "
@@ -319,8 +326,12 @@ class CoordinatorServer:
         # and a SIGTERM'd coordinator merged on for as long as islands sent.
         while not self._closing:
             # Cheap: asked on the loop (no thread hop) unless the bookkeeping lock is busy.
-            plan = self.coord.schedule(wait=False)
-            due, wake = plan if plan is not None else await self._run(self.coord.schedule)
+            try:
+                plan = self.coord.schedule(wait=False)
+                due, wake = plan if plan is not None else await self._run(self.coord.schedule)
+            except Exception:  # the loop must outlive a bug: a dead one never merges again
+                log.exception("round schedule failed; asking again in %.1f s", _IDLE_POLL_S)
+                due, wake = [], None
             for i in due:
                 if i not in busy:
                     busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 import sys
 import warnings
@@ -27,6 +28,8 @@ OPENED_AGO_HEADER = "X-DS-Diloco-Opened-Ago"
 """HTTP header of a download, when known: seconds since the round that made its version
 got its first contribution (an island that applies it instead of sending learns how late
 it is, as a stale upload's ``late_s`` tells)."""
+_INTEGER = re.compile(r"-?[0-9]{1,4000}")  # longer: int() refuses (its digit limit)
+
 _DTYPES = {
     "F32": torch.float32,
     "F64": torch.float64,
@@ -93,10 +96,9 @@ def _meta_to_header(cls, meta: Mapping[str, str]):
                 raise WireError(f"metadata field {f.name!r} is empty")
             values[f.name] = raw
             continue
-        try:
-            values[f.name] = int(raw)
-        except ValueError:
-            raise WireError(f"metadata field {f.name!r} must be an integer, got {raw!r}") from None
+        if not _INTEGER.fullmatch(raw):  # int() also takes "1_0", " 5" and other scripts' digits
+            raise WireError(f"metadata field {f.name!r} must be an integer, got {raw!r}")
+        values[f.name] = int(raw)
     return cls(**values)
 
 

@@ -37,8 +37,18 @@ def make(config_path, state_dir, clock=None, **kw):
 
 
 def send(
-    coord, island, fragment, step, *, world_size=1, tokens=100, steps=2, scale=1e-3, incarnation=1
+    coord,
+    island,
+    fragment,
+    step,
+    *,
+    world_size=1,
+    tokens=100,
+    steps=None,
+    scale=1e-3,
+    incarnation=1,
 ):
+    steps = min(2, step) if steps is None else steps  # an island's first sends come early
     frag = coord.plan.fragments[fragment]
     g = torch.Generator().manual_seed(hash((island, fragment, step)) % 2**31)
     full = {p.name: torch.randn(p.shape, generator=g) * scale for p in frag.params}

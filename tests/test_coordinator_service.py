@@ -150,7 +150,8 @@ TOKENS = {"a": 4096, "b": 2048, "c": 6144}
 STEPS = {"a": 4, "b": 4, "c": 8}
 
 
-def run_round(srv, config_path, theta, seed, world_sizes=ISLANDS, step=4):
+def run_round(srv, config_path, theta, seed, world_sizes=ISLANDS, step=8):
+    # step >= every island's STEPS: the steps since an island's last sync are among its steps
     client = client_for(srv)
     plan = FragmentPlan.from_json(client.plan()["plan"])
     versions = client.versions()
@@ -193,7 +194,7 @@ def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_pa
     assert plain, "the tiny Llama's embedding must take the plain-average path"
     expected = dict(theta)
     for rnd in range(2):  # two rounds: the second exercises Nesterov momentum
-        deltas = run_round(server, tiny_config_path, expected, seed=10 * rnd, step=4 * (rnd + 1))
+        deltas = run_round(server, tiny_config_path, expected, seed=10 * rnd, step=8 * (rnd + 1))
         expected = reference_outer_step(
             expected, [deltas[i] for i in ISLANDS], weights, ref_state, plain
         )
@@ -305,6 +306,35 @@ def test_quorum_one_merges_without_waiting_for_others(tiny_config_path, tmp_path
         )
         reply = client.upload(header, rank_slices(frag, delta, 1, 0))
         assert reply["status"] == "dropped" and "stale" in reply["reason"]
+    finally:
+        srv.stop()
+
+
+def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp_path):
+    # A failure escaping the loop used to end its task silently: uploads were still
+    # accepted, /healthz fine, and nothing ever merged again.
+    cfg = make_cfg(
+        tiny_config_path, tmp_path / "s", policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    )
+    srv = ServerThread(cfg)
+    try:
+        real, failures = srv.coord.schedule, []
+
+        def failing_twice(*a, **kw):
+            if len(failures) < 2:
+                failures.append(1)
+                raise OverflowError("a bug in the schedule")
+            return real(*a, **kw)
+
+        srv.coord.schedule = failing_twice
+        client = client_for(srv)
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        client.register("a", 1, plan.signature)
+        theta = srv.coord.global_tensors()
+        delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
+        upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
+        wait_versions(client, [1, 1, 1, 1])
+        assert len(failures) == 2
     finally:
         srv.stop()
 
@@ -477,6 +507,36 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     refused(400, "incarnation must be an integer", lambda: client.leave("a", "x"))
     refused(409, "leave from incarnation 7", lambda: client.leave("a", 7))
     refused(413, "too large", lambda: client.upload_body(b"\x00" * (2**20 + 1)))
+    # Counters a float cannot hold: tokens^2 / steps = inf lost a whole round's merge, a
+    # huge step killed the round loop and /metrics (found by review, each reproduced).
+    too_big = 2**53 + 1
+    for field in ("tokens", "steps", "step", "base_version", "incarnation"):
+        over = {field: too_big, "step": too_big} if field == "steps" else {field: too_big}
+        refused(422, "over 2**53", lambda over=over: client.upload_body(body(rank=1, **over)))
+    refused(422, "exceed the island's step 4", lambda: client.upload_body(body(rank=1, steps=5)))
+    refused(
+        400,  # int() would read Arabic-Indic digits, "1_0" or " 4" as numbers
+        "must be an integer",
+        lambda: client.upload_body(
+            wire.encode(
+                rank_slices(frag, delta, 2, 1),
+                {
+                    **wire._header_to_meta(wire.UploadHeader(**{**good, "rank": 1})),
+                    "step": "\u0664",
+                },
+            )
+        ),
+    )
+    refused(400, "island id must be", lambda: client.register("a?b", 1, plan.signature))
+    refused(400, "island id must be", lambda: client.register("..", 1, plan.signature))
+    refused(400, "world_size must be", lambda: client.register("c", True, plan.signature))
+    # An id that is not one path segment names no island: "a?b" used to make "a" leave.
+    refused(404, "unknown island", lambda: client.leave("a?b"))
+    refused(404, "unknown island", lambda: client.start("a#1"))
+    refused(400, "wait=seconds", lambda: client.versions(known=[0] * len(plan), wait=math.nan))
+    raw = requests.get(server.url + "/v1/plan", headers={"Authorization": b"Bearer \xff"})
+    assert raw.status_code == 401 and "wrong bearer token" in raw.json()["error"]
+    _assert_same(before, _snapshot(server))
 
     # And the good rank-1 upload still completes the island's contribution afterwards.
     reply = client.upload_body(body(rank=1, slices=rank_slices(frag, delta, 2, 1)))

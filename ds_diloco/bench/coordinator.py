@@ -377,7 +377,7 @@ def _time_uploads(srv: ServerThread, repeats: int, seed: int) -> UploadRun:
     # Every call needs a newer step (replays are refused): encode them all before timing.
     bodies = [
         wire.encode_upload(wire.UploadHeader(**header, step=step, steps=24), slices)
-        for step in range(1, 2 * (repeats + 1) + 1)
+        for step in range(24, 24 + 2 * (repeats + 1))  # steps <= step, as an island's
     ]
     del full, slices
     pending = iter(bodies)
@@ -572,7 +572,7 @@ def _time_rounds(
             try:
                 header = wire.UploadHeader(
                     island="bench", rank=r, world_size=world_size, fragment=0,
-                    base_version=base, step=step, tokens=4096, steps=2,
+                    base_version=base, step=step + 1, tokens=4096, steps=2,
                 )  # fmt: skip
                 reply = clients[r].upload(header, slices[r])
                 if reply["status"] != "accepted":
