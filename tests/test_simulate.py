@@ -315,3 +315,14 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
 def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert cli_main(["simulate", "--chips", "150k", "--days", "-1"]) == 2
     assert "SimConfig.days" in capsys.readouterr().err
+    # M comes from --islands / --chips-per-island, not from the default M = 8 (3 slices here).
+    argv = ["simulate", "--chips", "1000", "--days", "0.01", "--systems", "diloco", "--json", "-"]
+    assert cli_main([*argv, "--islands", "2"]) == 0
+    assert [r["islands"] for r in json.loads(capsys.readouterr().out)["rows"]] == [2]
+    assert cli_main([*argv, "--chips-per-island", "500"]) == 0
+    assert [r["islands"] for r in json.loads(capsys.readouterr().out)["rows"]] == [2]
+    for bad, says in ((["--chips-per-island", "0"], "--chips-per-island must be 1..1000"),
+                      (["--chips-per-island", "5000"], "--chips-per-island must be 1..1000"),
+                      (["--chips", ","], "--chips: give at least one")):  # fmt: skip
+        assert cli_main([*argv, *bad]) == 2, bad
+        assert says in capsys.readouterr().err, bad

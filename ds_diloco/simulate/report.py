@@ -72,7 +72,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         if f.name not in _OWN and getattr(args, f.name, None) is not None
     }
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    return SimConfig(chips=max(args.chips), days=args.days, seed=args.seed, systems=systems, **over)
+    if not args.chips:
+        raise ValueError("--chips: give at least one cluster size (150k,1.2M,...)")
+    cpi = getattr(args, "chips_per_island", None)
+    if cpi is not None and not 1 <= cpi <= min(args.chips):
+        raise ValueError(f"--chips-per-island must be 1..{min(args.chips)} (the smallest "
+                         f"--chips), got {cpi}")  # fmt: skip
+    # Checked here against the largest size: the fewest islands asked for (M per size
+    # comes from --islands or --chips-per-island, not from this default).
+    islands = min(args.islands) if getattr(args, "islands", None) else 1
+    return SimConfig(chips=max(args.chips), days=args.days, seed=args.seed, systems=systems,
+                     islands=islands, **over)  # fmt: skip
 
 
 def _short(n: int) -> str:

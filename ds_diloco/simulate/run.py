@@ -64,6 +64,8 @@ def sweep(
     ``jobs`` > 1 runs the pieces in that many processes; results do not depend on it.
     """
     t0 = time.perf_counter()
+    if chips_per_island is not None and chips_per_island < 1:
+        raise ValueError(f"chips_per_island must be >= 1, got {chips_per_island}")
     islands = tuple(islands)
     tasks: list[SimConfig] = []
     for n in chips:
@@ -71,7 +73,11 @@ def sweep(
         if base:
             tasks.append(cfg.replace(chips=n, systems=base))
         if "diloco" in cfg.systems:
-            ms = (n // chips_per_island,) if chips_per_island else islands or (cfg.islands,)
+            ms = (
+                (n // chips_per_island,)
+                if chips_per_island is not None
+                else islands or (cfg.islands,)
+            )
             tasks += [cfg.replace(chips=n, islands=m, systems=("diloco",)) for m in ms]
     if jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
