@@ -249,6 +249,19 @@ def _hf_config(config_dict: dict | None):
     return CONFIG_MAPPING[model_type].from_dict(config_dict)
 
 
+def shard_size_bytes(size: int | str) -> int:
+    """``max_shard_size`` ("2GB", "500MB", bytes) in bytes, checked before any work."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        n = convert_file_size_to_int(size)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"max shard size {size!r} is not a size like 2GB or 500MB ({e})") from None
+    if n < 1:
+        raise ValueError(f"max shard size {size!r} must be positive")
+    return n
+
+
 def check_out_folder(out: str | os.PathLike) -> Path:
     """``out`` may receive an export: new, empty, or an earlier export (it has a
     config.json), which is replaced whole. Anything else is refused, not deleted."""
@@ -385,6 +398,7 @@ def export(
     folder with a model card. ``repo``: the Hub repo it is for (names the card)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    shard_size_bytes(max_shard_size)
     check_out_folder(out_dir)  # before downloading anything
     if run_summary is not None and not isinstance(run_summary, RunSummary):
         run_summary = load_run_summary(run_summary)

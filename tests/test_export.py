@@ -245,6 +245,8 @@ def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
         export(served.state_dir, tmp_path)
     with pytest.raises(ValueError, match="is a file"):
         export_model(config, tensors, tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="max shard size '2gigs' is not a size"):
+        export(served.state_dir, tmp_path / "x", max_shard_size="2gigs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     empty = tmp_path / "empty"
     empty.mkdir()
