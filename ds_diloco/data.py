@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # imported where used: a rank whose blocks are cached never n
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Ids 0, 1, 2 in this order, as model_configs/tiny-llama.json expects."""
 FINGERPRINT_FILE = "corpus_fingerprint.json"
-_FINGERPRINT_VERSION = 1  # bump when cleaning or training changes what the same files give
+_FINGERPRINT_VERSION = 2  # bump when cleaning or training changes what the same files give
 _MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet is always in the vocabulary
 
 # Project Gutenberg wraps texts in a licence. Modern files mark it with
@@ -86,32 +86,73 @@ def _read_text(path: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("latin-1")  # old Gutenberg files; latin-1 never fails
+        pass
+    # A few stray bytes in a UTF-8 file must not turn all its accents into mojibake:
+    # keep UTF-8 when its valid multi-byte characters outnumber the invalid bytes.
+    # A cp1252/latin-1 file almost never holds valid multi-byte sequences.
+    text = raw.decode("utf-8", errors="replace")
+    invalid = text.count("\ufffd")
+    non_ascii = len(text) - len(text.encode("ascii", "ignore"))
+    if non_ascii - invalid > invalid:
+        return text
+    try:
+        return raw.decode("cp1252")  # old Gutenberg/Windows files: curly quotes, dashes
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")  # cp1252 leaves 5 bytes undefined; latin-1 never fails
 
 
 def _paragraphs(text: str) -> list[str]:
     return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
+def _file_stats(files: Sequence[str | os.PathLike]) -> list[list]:
+    """(resolved path, size, mtime_ns) per file: cheap for any corpus size, and a
+    same-size edit or another corpus with the same file names still changes it."""
+    stats = []
+    for f in files:
+        path = Path(f).resolve()
+        st = path.stat()
+        stats.append([str(path), st.st_size, st.st_mtime_ns])
+    return stats
+
+
 def _fingerprint(files: Sequence[str], vocab_size: int) -> dict:
-    sizes = [[os.path.basename(f), os.path.getsize(f)] for f in files]
-    return {"version": _FINGERPRINT_VERSION, "vocab_size": vocab_size, "files": sizes}
+    return {"version": _FINGERPRINT_VERSION, "vocab_size": vocab_size, "files": _file_stats(files)}
+
+
+def _training_texts(files: Sequence[str], text_field: str) -> Iterator[str]:
+    for f in files:
+        if Path(f).suffix in _LOADERS:  # the column pack() reads, not the file's syntax or bytes
+            for batch in load_text_dataset(f, text_field=text_field).iter(batch_size=1024):
+                yield from (t for t in batch["text"] if t)
+        else:
+            yield clean_gutenberg(_read_text(f))
 
 
 def train_tokenizer(
-    files: Sequence[str | os.PathLike], vocab_size: int, out_dir: str | os.PathLike
+    files: Sequence[str | os.PathLike],
+    vocab_size: int,
+    out_dir: str | os.PathLike,
+    *,
+    text_field: str = "text",
 ) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on the cleaned files, saved to (or reused from) ``out_dir``.
 
+    ``.txt`` files are read whole (Gutenberg-cleaned); ``.json``/``.jsonl``/``.parquet``
+    files give their ``text_field`` column, as :func:`load_text_dataset` reads it.
     Byte-level means any text round-trips without an unknown token. ``out_dir``
-    holds a fingerprint (file names, sizes, vocab size); when it matches, the saved
-    tokenizer is loaded instead of retrained. Files are replaced atomically and the
-    fingerprint written last, so concurrent callers never load a half-written one.
+    holds a fingerprint (resolved paths, sizes, mtimes, vocab size); when it matches,
+    the saved tokenizer is loaded instead of retrained. Files are replaced atomically
+    and the fingerprint written last, so concurrent callers never load a half-written one.
     """
     if vocab_size < _MIN_VOCAB:
         raise ValueError(f"vocab_size={vocab_size}: must be at least {_MIN_VOCAB}")
     files = [str(f) for f in files]
     fingerprint = _fingerprint(files, vocab_size)
+    if any(Path(f).suffix in _LOADERS for f in files):
+        # In the saved fingerprint, not in the folder's name: tokenizer_dir() callers
+        # do not know the text_field, and must still find this folder.
+        fingerprint["text_field"] = text_field
     out = Path(out_dir)
     fp_path = out / FINGERPRINT_FILE
     if fp_path.is_file() and json.loads(fp_path.read_text()) == fingerprint:
@@ -126,7 +167,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((clean_gutenberg(_read_text(f)) for f in files), trainer, len(files))
+    tok.train_from_iterator(_training_texts(files, text_field), trainer)
     pad, bos, eos = SPECIAL_TOKENS
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos)
 
@@ -223,8 +264,11 @@ def pack(dataset: datasets.Dataset, tokenizer, seq_len: int, *, num_proc: int = 
         remove_columns=dataset.column_names,
         keep_in_memory=True,  # the result becomes a tensor anyway; no cache files
     )
-    column = tokenized.with_format("arrow")["input_ids"]
-    ids = column.combine_chunks().flatten().to_numpy().astype(np.int64, copy=False)
+    if "input_ids" in tokenized.column_names:
+        column = tokenized.with_format("arrow")["input_ids"]
+        ids = column.combine_chunks().flatten().to_numpy().astype(np.int64, copy=False)
+    else:  # no record had text (or there were none): map never made the column
+        ids = np.zeros(0, np.int64)
     block = seq_len + 1
     n = len(ids) // block
     if n == 0:
@@ -368,7 +412,8 @@ def prepare_corpus(
     ``source`` is anything :func:`load_text_dataset` takes. Without ``tokenizer``
     (a Hugging Face tokenizer folder) a byte-level BPE is trained on the local
     text files. The blocks are cached under a key made of the corpus fingerprint
-    (or dataset name), the tokenizer and ``seq_len``, so a second call only loads.
+    (its files' paths, sizes and mtimes, or a hub dataset's name), the tokenizer's
+    content and ``seq_len``, so a second call only loads.
     Safe to call from every rank at once (writes are atomic), cheaper one at a time.
     """
     from transformers import AutoTokenizer
@@ -379,13 +424,19 @@ def prepare_corpus(
         if local and (Path(source).is_file() or any(Path(source).rglob("*.txt")))
         else []
     )
-    corpus = _fingerprint(files, vocab_size) if files else {"source": str(source)}
     cache = Path(cache_dir)
+    if files:
+        corpus = _fingerprint(files, vocab_size)
+    elif local:  # a dataset folder: rewriting it in place must change the key
+        corpus = {"version": _FINGERPRINT_VERSION, "files": _file_stats(_data_files(source, cache))}
+    else:  # a hub dataset name: keyed by name
+        corpus = {"source": str(source)}
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(str(tokenizer))
-        corpus = {**corpus, "tokenizer": str(Path(tokenizer).resolve()), "vocab": len(tok)}
+        corpus = {**corpus, "tokenizer": _tokenizer_hash(tok)}  # retrained in place: new key
     elif files:
-        tok = train_tokenizer(files, vocab_size, _tokenizer_dir(cache, files, vocab_size))
+        out = _tokenizer_dir(cache, files, vocab_size)
+        tok = train_tokenizer(files, vocab_size, out, text_field=text_field)
     else:
         raise ValueError(
             f"data.path {str(source)!r} holds no local text files to train a tokenizer on: "
@@ -400,6 +451,31 @@ def prepare_corpus(
     torch.save(blocks, buf)
     atomic_write(path, buf.getvalue())
     return tok, blocks
+
+
+def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:
+    """The files a dataset folder may load from: hidden ones (which ``datasets`` skips
+    too) and our own cache are left out, or writing blocks would move the key."""
+    root, cache = Path(folder), cache.resolve()
+    return [
+        f
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+        and not any(part.startswith(".") for part in f.relative_to(root).parts)
+        and cache not in f.resolve().parents
+    ]
+
+
+def _tokenizer_hash(tok) -> str:
+    """What :func:`pack` depends on: vocabulary, merges, normalizer, added tokens, eos."""
+    if tok.is_fast:  # the backend's JSON holds all but eos
+        state = tok.backend_tokenizer.to_str()
+    else:
+        special = sorted(tok.special_tokens_map.items())
+        state = json.dumps(
+            [type(tok).__name__, sorted(tok.get_vocab().items()), special], default=str
+        )
+    return hashlib.sha256(f"{state}\n{tok.eos_token_id}".encode()).hexdigest()[:16]
 
 
 def tokenizer_dir(cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int) -> Path:

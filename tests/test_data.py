@@ -96,7 +96,9 @@ def test_tokenizer_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
     out = tmp_path / "tok"
     first = data.train_tokenizer([corpus], VOCAB, out)
     fingerprint = json.loads((out / data.FINGERPRINT_FILE).read_text())
-    assert fingerprint["vocab_size"] == VOCAB and fingerprint["files"][0][0] == "sonnets.txt"
+    assert fingerprint["vocab_size"] == VOCAB and fingerprint["files"][0][0] == str(
+        corpus.resolve()
+    )
 
     trained = []
     real_train = data.Tokenizer.train_from_iterator
@@ -115,6 +117,37 @@ def test_tokenizer_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
         f.write("\nNew lines make a new corpus.\n")
     data.train_tokenizer([corpus], VOCAB + 20, out)  # so does a changed file
     assert trained == [1, 1]
+
+
+def test_corpus_cache_sees_same_size_edits_and_other_folders(tmp_path):
+    # Keyed on (file name, size), a typo fix or another corpus with the same names and
+    # sizes reused the old tokenizer and blocks.
+    corpus, twin, cache = tmp_path / "corpus", tmp_path / "twin", tmp_path / "cache"
+    corpus.mkdir()
+    twin.mkdir()
+    shutil.copy(SONNETS, corpus / "sonnets.txt")
+    text = SONNETS.read_text()
+    edit = text.replace("thee", "QZQZ")
+    assert len(edit.encode()) == len(text.encode())
+    (twin / "sonnets.txt").write_text(edit)
+
+    tok, _ = data.prepare_corpus(corpus, cache, VOCAB, 32)
+    tok_dir = data.tokenizer_dir(cache, corpus, VOCAB)  # what `ds-diloco run` exports
+    assert data.tokenizer_dir(cache, corpus, VOCAB) == tok_dir  # stable while unchanged
+    assert data.PreTrainedTokenizerFast.from_pretrained(tok_dir).get_vocab() == tok.get_vocab()
+    twin_tok, twin_blocks = data.prepare_corpus(twin, cache, VOCAB, 32)
+    assert data.tokenizer_dir(cache, twin, VOCAB) != tok_dir
+    assert twin_tok.get_vocab() != tok.get_vocab()
+    assert "QZQZ" in twin_tok.decode(twin_blocks.flatten().tolist())
+
+    path = corpus / "sonnets.txt"
+    path.write_text(edit)  # in place, same size; the mtime moves on by a second at least
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert data.tokenizer_dir(cache, corpus, VOCAB) != tok_dir
+    tok2, blocks2 = data.prepare_corpus(corpus, cache, VOCAB, 32)
+    assert tok2.get_vocab() == twin_tok.get_vocab()
+    decoded = tok2.decode(blocks2.flatten().tolist())
+    assert "QZQZ" in decoded and "thee" not in decoded
 
 
 def test_load_text_dataset_txt_paragraphs():
@@ -268,3 +301,82 @@ def test_eval_blocks_give_every_rank_the_same_nonempty_count(blocks, world):
     if blocks >= world:  # disjoint: each block evaluated once
         assert len(rows) == len(set(rows))
     assert set(rows) <= {tuple(x.tolist()) for x in heldout}
+
+
+def test_tokenizer_for_a_json_or_parquet_file_learns_the_text_column(tmp_path):
+    # Trained on the raw file, the BPE learned JSON syntax, the other columns and
+    # parquet's binary footer, not the text that pack() then encodes.
+    paragraphs = data._paragraphs(data.clean_gutenberg(SONNETS.read_text()))
+    rows = [{"id": f"zqx-{i:06d}", "text": p, "body": p.upper()} for i, p in enumerate(paragraphs)]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parquet = tmp_path / "c.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    cache = tmp_path / "cache"
+
+    tok, blocks = data.prepare_corpus(jsonl, cache, VOCAB, 32)
+    learned = [t for t in tok.get_vocab() if len(t) > 1 and t not in data.SPECIAL_TOKENS]
+    assert not [t for t in learned if '"' in t or "zqx" in t or "{" in t]
+    assert tok.decode(blocks[0].tolist()).startswith(paragraphs[0])
+    assert tok.get_vocab() == data.prepare_corpus(parquet, cache, VOCAB, 32)[0].get_vocab()
+    assert (data.tokenizer_dir(cache, jsonl, VOCAB) / "tokenizer.json").is_file()
+
+    body_tok, _ = data.prepare_corpus(jsonl, cache, VOCAB, 32, text_field="body")  # retrains
+    assert body_tok.get_vocab() != tok.get_vocab() and "ĠTHE" in body_tok.get_vocab()
+    assert data.tokenizer_dir(cache, jsonl, VOCAB) == data.tokenizer_dir(cache, jsonl, VOCAB)
+
+
+def test_blocks_cache_sees_a_dataset_or_tokenizer_rewritten_in_place(tmp_path, monkeypatch):
+    # Keyed on the folder's path and len(tokenizer), rewritten data or a tokenizer
+    # retrained in place gave back the old blocks.
+    paragraphs = data._paragraphs(data.clean_gutenberg(SONNETS.read_text()))
+    tok_dir, ds_dir = tmp_path / "tok", tmp_path / "ds"
+    data.train_tokenizer([SONNETS], VOCAB, tok_dir)
+    datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(ds_dir))
+    cache = ds_dir / "cache"  # inside the folder: its blocks must not move the key
+    tok, first = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
+    with monkeypatch.context() as m:
+        m.setattr(data, "pack", lambda *a, **k: pytest.fail("packed again"))
+        assert torch.equal(
+            data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)[1], first
+        )
+
+    def fresh():
+        return data.pack(data.load_text_dataset(ds_dir), tok, 32)
+
+    for f in ds_dir.iterdir():  # rewritten in place; the cache stays
+        if f.is_file():
+            f.unlink()
+    datasets.Dataset.from_dict({"text": paragraphs[:20]}).save_to_disk(str(ds_dir))
+    _, second = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
+    assert len(second) < len(first) and torch.equal(second, fresh())
+
+    upper = tmp_path / "upper.txt"
+    upper.write_text(SONNETS.read_text().upper())
+    shutil.rmtree(tok_dir)
+    data.train_tokenizer([upper], VOCAB, tok_dir)
+    tok, third = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
+    assert not torch.equal(third, second) and torch.equal(third, fresh())
+
+
+def test_read_text_keeps_utf8_with_a_stray_byte_and_reads_cp1252(tmp_path):
+    good = "Café crème, naïve façade — “quoted”.\n\n" * 3
+    path = tmp_path / "a.txt"
+    path.write_bytes(good.encode() + b"stray \xff byte\n")
+    assert data._read_text(str(path)) == good + "stray \ufffd byte\n"  # not 'CafÃ©'
+    path.write_bytes("He said “hello” – ok".encode("cp1252"))
+    assert data._read_text(str(path)) == "He said “hello” – ok"  # not C1 controls
+    path.write_bytes("Ælfred\x81 à".encode("latin-1"))  # 0x81: undefined in cp1252
+    assert data._read_text(str(path)) == "Ælfred\x81 à"
+
+
+def test_pack_and_prepare_corpus_refuse_a_corpus_without_text(tmp_path, tokenizer):
+    # Without any text, map() never made the input_ids column: a KeyError, not this.
+    for texts in [["", "  \n"], []]:
+        with pytest.raises(ValueError, match="0 tokens do not fill one block"):
+            data.pack(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len=8)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "blank.txt").write_text("\n\n  \n")
+    with pytest.raises(ValueError, match="0 tokens do not fill one block"):
+        data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
