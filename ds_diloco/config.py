@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import math
 import os
 import re
 import types
@@ -25,6 +27,47 @@ from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 
 TOKEN_ENV = "DS_DILOCO_TOKEN"
+# An island's name goes into URLs and file paths as it is; the coordinator's
+# registration applies the same rule.
+ISLAND_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+ISLAND_ID_RULE = "1-128 of A-Z a-z 0-9 . _ - (not . or ..)"
+
+
+def _finite(x: float, at_least: float = 0.0, strict: bool = False) -> bool:
+    """x is a finite number >= at_least (> at_least when strict): NaN fails every comparison."""
+    return math.isfinite(x) and (x > at_least if strict else x >= at_least)
+
+
+def _island_id_ok(name) -> bool:
+    return isinstance(name, str) and bool(ISLAND_ID.fullmatch(name)) and name not in (".", "..")
+
+
+def _check_port(where: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{where} must be in 0..65535, got {port}")
+
+
+def parse_include(include: str) -> dict[str, list[int] | None]:
+    """The deepspeed launcher's ``--include`` ('host:0,1@host2:0,1') as {host: slots}, parsed
+    as the launcher does (``deepspeed.launcher.runner.parse_node_config_list``); a bare host
+    (all of its slots, from the hostfile) maps to None. A slot or host given twice is refused:
+    the launcher would merge them silently, and the slots are counted against world_size."""
+    hosts: dict[str, list[int] | None] = {}
+    for node in include.split("@"):
+        host, colon, slots = node.partition(":")
+        if not host or ":" in slots or host in hosts:
+            raise ValueError(
+                f"expected 'host:slot,slot[@host:slot,...]' with each host once, got {include!r}"
+            )
+        try:
+            ids = [int(x) for x in slots.split(",")] if colon else None
+        except ValueError:
+            where = "" if node == include else f" in {include!r}"
+            raise ValueError(f"slots must be integers, got {node!r}{where}") from None
+        if ids is not None and (min(ids) < 0 or len(set(ids)) != len(ids)):
+            raise ValueError(f"slots must be distinct and >= 0, got {node!r}")
+        hosts[host] = ids
+    return hosts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +155,8 @@ class CoordinatorConfig:
     def __post_init__(self):
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
+        if self.sync_every < 1:  # before the rules below, whose messages would mislead
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if self.fragmentation not in ("balanced", "layer"):
             raise ValueError(
                 f"fragmentation must be 'balanced' or 'layer', got {self.fragmentation!r}"
@@ -134,12 +179,15 @@ class CoordinatorConfig:
             )
         if self.save_every_merges < 1:
             raise ValueError(f"save_every_merges must be >= 1, got {self.save_every_merges}")
-        if self.max_body_mb <= 0:
-            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
-        if self.island_timeout_s <= 0:
-            raise ValueError(f"island_timeout_s must be > 0, got {self.island_timeout_s}")
-        if self.uptime_window_s <= 0:
-            raise ValueError(f"uptime_window_s must be > 0, got {self.uptime_window_s}")
+        for name in ("max_body_mb", "island_timeout_s", "uptime_window_s"):
+            if not _finite(getattr(self, name), 0, strict=True):
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        _check_port("port", self.port)
+        for pattern in self.plain_patterns:  # a bad one would fail at the first merge
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"plain_patterns: {pattern!r} is not a regex: {e}") from None
 
     def resolve_token(self) -> str:
         """The bearer token: config, then environment, then state_dir/token (created)."""
@@ -203,6 +251,8 @@ class DataConfig:
             raise ValueError(
                 f"data.vocab_size must be >= 259 (bytes + 3 specials), got {self.vocab_size}"
             )
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,10 +301,14 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr must be > 0, got {self.lr}")
-        if self.step_delay_s < 0:
-            raise ValueError(f"train.step_delay_s must be >= 0, got {self.step_delay_s}")
+        if not _finite(self.lr, 0, strict=True):
+            raise ValueError(f"train.lr must be > 0 and finite, got {self.lr}")
+        if not _finite(self.weight_decay):
+            raise ValueError(f"train.weight_decay must be >= 0 and finite, got {self.weight_decay}")
+        if not _finite(self.step_delay_s):
+            raise ValueError(f"train.step_delay_s must be >= 0 and finite, got {self.step_delay_s}")
+        if self.seed < 0:
+            raise ValueError(f"train.seed must be >= 0, got {self.seed}")
         if self.warmup_steps < 0 or self.eval_every < 0:
             raise ValueError("train.warmup_steps and train.eval_every must be >= 0")
         if not 0.0 <= self.blend_alpha < 1.0:
@@ -299,6 +353,8 @@ class IslandConfig:
     sets this to cover the coordinator's start-up."""
 
     def __post_init__(self):
+        if not _island_id_ok(self.island):
+            raise ValueError(f"island must be {ISLAND_ID_RULE}, got {self.island!r}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if self.start_together < 0:
@@ -336,8 +392,24 @@ class IslandSpec:
     """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'."""
 
     def __post_init__(self):
+        if not _island_id_ok(self.name):
+            raise ValueError(f"islands[].name must be {ISLAND_ID_RULE}, got {self.name!r}")
         if self.world_size < 1:
             raise ValueError(f"islands[{self.name}].world_size must be >= 1, got {self.world_size}")
+        if self.master_port is not None:
+            _check_port(f"islands[{self.name}].master_port", self.master_port)
+        if self.include is not None:
+            try:
+                hosts = parse_include(self.include).values()
+            except ValueError as e:
+                raise ValueError(f"islands[{self.name}].include: {e}") from None
+            # The launcher starts one rank per slot (a bare host's are in the hostfile).
+            slots = None if None in hosts else sum(len(s) for s in hosts)
+            if slots is not None and slots != self.world_size:
+                raise ValueError(
+                    f"islands[{self.name}].include {self.include!r} lists {slots} slot(s) but "
+                    f"world_size is {self.world_size}: one rank runs per slot"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -382,8 +454,33 @@ class RunConfig:
             raise ValueError(f"islands: names must be unique, got {names}")
         if self.export_every_merges < 0:
             raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0:
-            raise ValueError("max_restarts and restart_backoff_s must be >= 0")
+        if self.max_restarts < 0 or not _finite(self.restart_backoff_s):
+            raise ValueError(
+                "max_restarts and restart_backoff_s must be >= 0 (and finite), got "
+                f"{self.max_restarts} and {self.restart_backoff_s}"
+            )
+        if not _same_model(self.coordinator.model, self.model):
+            # The islands build `model`: a coordinator starting from another would refuse
+            # them (signature) or, worse, merge into values they never started from.
+            raise ValueError(
+                f"coordinator.model {_model_str(self.coordinator.model)} differs from model "
+                f"{_model_str(self.model)}: the islands build the run's model; leave "
+                "coordinator.model out (it defaults to model)"
+            )
+        if self.coordinator.model != self.model:  # the same model, written another way
+            coordinator = dataclasses.replace(self.coordinator, model=self.model)
+            object.__setattr__(self, "coordinator", coordinator)
+        ports = {}  # port -> who binds it; 0 and None pick a free one
+        if self.coordinator.port:
+            ports[self.coordinator.port] = "coordinator.port"
+        for spec in self.islands:
+            if spec.master_port:
+                if spec.master_port in ports:
+                    raise ValueError(
+                        f"islands[{spec.name}].master_port {spec.master_port} is also "
+                        f"{ports[spec.master_port]}: each island needs a port of its own"
+                    )
+                ports[spec.master_port] = f"islands[{spec.name}].master_port"
         data, workdir = Path(self.data.path).resolve(), Path(self.workdir).resolve()
         if data == workdir or data in workdir.parents:
             # The corpus is every *.txt below data.path: the islands' log.txt would join it
@@ -395,6 +492,24 @@ class RunConfig:
         if self.model.pretrained and self.data.tokenizer is None:  # not a BPE trained anew
             with_tokenizer = dataclasses.replace(self.data, tokenizer=self.model.pretrained)
             object.__setattr__(self, "data", with_tokenizer)
+
+
+def _same_model(a: ModelSource, b: ModelSource) -> bool:
+    """The same model, however its paths are written ('x/../m.json' and 'm.json')."""
+
+    def key(m: ModelSource) -> tuple:
+        paths = (m.pretrained, m.config)
+        return (*(p and os.path.normpath(os.path.abspath(p)) for p in paths), m.seed)
+
+    return key(a) == key(b)
+
+
+def _model_str(m: ModelSource) -> str:
+    return (
+        f"{{pretrained: {m.pretrained!r}}}"
+        if m.pretrained
+        else f"{{config: {m.config!r}, seed: {m.seed}}}"
+    )
 
 
 def from_dict(cls, data: Any, where: str = ""):
@@ -417,6 +532,14 @@ def from_dict(cls, data: Any, where: str = ""):
         return cls(**kwargs)
     except TypeError as e:  # a missing required field
         raise ValueError(f"{where or cls.__name__}: {e}") from None
+    except ValueError as e:
+        # A nested section's own rule (PolicyOptions.tau, ...): say where it sits in the
+        # file, unless the message already starts with that section's name (data.seq_len).
+        path = where.rstrip(".")
+        root = re.split(r"[.\[]", path, maxsplit=1)[0]
+        if not where.endswith(".") or re.match(rf"{re.escape(root)}[.:\[ ]", str(e)):
+            raise
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _convert(hint, value, where: str):
@@ -444,7 +567,28 @@ def _convert(hint, value, where: str):
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads ``3e-05`` (what ``json.dumps`` writes for small floats, and how a
-    learning rate is usually written) as a string; YAML 1.2 and JSON read a float."""
+    learning rate is usually written) as a string; YAML 1.2 and JSON read a float.
+    A key given twice in one mapping is refused (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class refuses it
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -488,7 +632,9 @@ def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
         data["model"] = model
     if _relative(data.get("state_dir")):
         data["state_dir"] = str(base / data["state_dir"])
-    return from_dict(CoordinatorConfig, data)
+    cfg = from_dict(CoordinatorConfig, data)
+    _check_model(cfg.model, "model")
+    return cfg
 
 
 def _relative(value) -> bool:
@@ -504,33 +650,105 @@ def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...]) -> dict:
             if isinstance(data.get(head), dict):
                 data[head] = _resolve_paths(data[head], base, (rest,))
         elif _relative(data.get(head)) and (
-            head in _OUTPUTS or data[head].startswith(("./", "../")) or (base / data[head]).exists()
+            head in _ALWAYS or data[head].startswith(("./", "../")) or (base / data[head]).exists()
         ):
             # Not existing and not written as a relative path: a dataset or Hub name, say.
             data[head] = str(base / data[head])
     return data
 
 
-# Paths resolved against the config file even when they do not exist yet.
-_OUTPUTS = ("workdir", "cache_dir", "state_dir")
+# Paths resolved against the config file even when they do not exist yet: outputs, and
+# the DeepSpeed config (a file, never a name, checked at load where the file says).
+_ALWAYS = ("workdir", "cache_dir", "state_dir", "deepspeed_config")
 # Paths that island configs and run files give relative to the file.
 FILE_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
               "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
 
 
+def _check_model(model: ModelSource, where: str) -> None:
+    """A pretrained model is a folder (else loading it fails later, in every process)."""
+    if model.pretrained is None or Path(model.pretrained).is_dir():
+        return
+    path = os.path.normpath(model.pretrained)
+    if "smollm2" in path.lower():  # launch/finetune-smollm2.yaml's model (launch/finetune.sh)
+        hint = f"make it with `ds-diloco convert-gguf --smollm2 --out {path}`"
+    else:
+        hint = "a GGUF checkpoint is converted to one with `ds-diloco convert-gguf`"
+    raise ValueError(
+        f"{where}.pretrained {path!r} is not a folder (a Hugging Face model folder: "
+        f"config.json + safetensors); {hint}"
+    )
+
+
+def _model_vocab_size(model: ModelSource) -> int | None:
+    """vocab_size of model.config (a config.json, or a folder holding one), if it says."""
+    path = Path(model.config) if model.config else None
+    if path is not None and path.is_dir():
+        path = path / "config.json"
+    if path is None or not path.is_file():
+        return None  # from_pretrained names what is missing
+    try:
+        vocab = json.loads(path.read_text()).get("vocab_size")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"model.config {str(path)!r} is not a JSON object: {e}") from None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _check_files(cfg: IslandConfig | RunConfig) -> None:
+    """What the islands open, checked once at load instead of failing in every rank."""
+    _check_model(cfg.model, "model")
+    vocab = _model_vocab_size(cfg.model)
+    if cfg.data.tokenizer is None and vocab is not None and cfg.data.vocab_size > vocab:
+        # Token ids >= the embedding's rows: an IndexError at the first forward.
+        raise ValueError(
+            f"data.vocab_size ({cfg.data.vocab_size}) is above the vocab_size of model.config "
+            f"{cfg.model.config!r} ({vocab}): lower data.vocab_size or enlarge the model's"
+        )
+    ds = Path(cfg.deepspeed_config)
+    if not ds.is_file():
+        raise ValueError(f"deepspeed_config {str(ds)!r} does not exist")
+    try:
+        stage = json.loads(ds.read_text())["zero_optimization"]["stage"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"deepspeed_config {str(ds)!r} is not valid JSON: {e}") from None
+    except (KeyError, TypeError):
+        stage = None
+    if stage != 3:  # the islands partition parameters with ZeRO-3 (zero.Init, gather)
+        raise ValueError(
+            f"deepspeed_config {str(ds)!r}: zero_optimization.stage must be 3 (ZeRO-3), "
+            f"got {stage!r}"
+        )
+    if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_dir():
+        raise ValueError(
+            f"data.tokenizer {cfg.data.tokenizer!r} is not a folder (a Hugging Face "
+            "tokenizer folder); leave it out to train a BPE tokenizer on the corpus"
+        )
+
+
 def load_island_config(path: str | os.PathLike) -> IslandConfig:
     base = Path(path).resolve().parent
-    return from_dict(IslandConfig, _resolve_paths(load_file(path), base, FILE_PATHS))
+    cfg = from_dict(IslandConfig, _resolve_paths(load_file(path), base, FILE_PATHS))
+    _check_files(cfg)
+    return cfg
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     """A run file; the coordinator section takes the run's model and workdir/state by default."""
     base = Path(path).resolve().parent
     data = _resolve_paths(load_file(path), base, FILE_PATHS)
+    if "model" not in data:  # else the coordinator's default model would be named
+        raise ValueError("model: missing; a run needs model.pretrained or model.config")
+    workdir = data.get("workdir", "runs/run")
+    if not isinstance(workdir, str):
+        raise ValueError(f"workdir: expected str, got {workdir!r}")
     coord = data.get("coordinator", {})
     if not isinstance(coord, dict):
         raise ValueError("coordinator: expected a mapping")
-    coord = _resolve_paths(coord, base, ("state_dir",))
-    coord.setdefault("model", data.get("model"))
-    coord.setdefault("state_dir", str(Path(data.get("workdir", "runs/run")) / "state"))
-    return from_dict(RunConfig, {**data, "coordinator": coord})
+    # Its model is the run's (refused if it differs), resolved like the run's.
+    coord = _resolve_paths(coord, base, ("state_dir", "model.pretrained", "model.config"))
+    coord.setdefault("model", data["model"])
+    coord.setdefault("state_dir", str(Path(workdir) / "state"))
+    # The run's model first: its errors are named 'model', not 'coordinator.model'.
+    cfg = from_dict(RunConfig, {"model": data["model"], **data, "coordinator": coord})
+    _check_files(cfg)
+    return cfg

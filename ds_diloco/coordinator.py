@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import math
 import os
-import re
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from ds_diloco import compress, wire
-from ds_diloco.config import CoordinatorConfig
+from ds_diloco.config import ISLAND_ID, ISLAND_ID_RULE, CoordinatorConfig
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.merge import (
     fragment_layout,
@@ -201,8 +200,6 @@ MAX_COUNTER = 2**53
 integers a float64 holds exactly. Larger ones overflowed the token weight (tokens^2 /
 steps = inf: the round's merge failed and every island's contribution in it was lost),
 the step-time EMA and /metrics."""
-ISLAND_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-"""An island id: it goes into URL paths and file names as it is."""
 """Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
 
 
@@ -426,9 +423,7 @@ class Coordinator:
     # ------------------------------------------------------------------ islands
     def register(self, island: str, world_size: int, signature: str) -> dict:
         if not isinstance(island, str) or not ISLAND_ID.fullmatch(island) or island in (".", ".."):
-            raise CoordinatorError(
-                400, f"island id must be 1-128 of A-Z a-z 0-9 . _ - (not . or ..), got {island!r}"
-            )
+            raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {island!r}")
         if type(world_size) is not int or not 1 <= world_size <= MAX_COUNTER:  # not a bool
             raise CoordinatorError(
                 400, f"world_size must be a positive integer, got {world_size!r}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -49,6 +50,8 @@ ISLAND_FILES = [p for p in ALL_LAUNCH_YAML if "island" in yaml.safe_load(p.read_
 SCHEDULE_FILES = [p for p in ALL_LAUNCH_YAML if "events" in yaml.safe_load(p.read_text())]
 LAUNCH_CONFIGS = [p for p in ALL_LAUNCH_YAML if p not in RUN_FILES + ISLAND_FILES + SCHEDULE_FILES]
 BUILD_LIMIT = 20_000_000  # parameters: larger configs are only counted, not built
+TINY = REPO / "model_configs" / "tiny-llama.json"  # vocab_size 4096
+ZERO3_CPU = REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"
 
 MINIMAL = {"model": {"config": "/models/m.json"}, "state_dir": "/state"}
 
@@ -72,6 +75,36 @@ def write_yaml(path: Path, data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def stand_in(path: Path, root: Path, replace: dict[str, str] | None = None) -> Path:
+    """Launch file ``path`` at the same place under ``root``, a stand-in for the repository
+    (launch/ copied, model_configs/ linked), so that its relative paths resolve as there;
+    ``replace``: text replaced in the copy (a cluster's absolute paths)."""
+    if not (root / "launch").exists():
+        shutil.copytree(REPO / "launch", root / "launch")
+        (root / "model_configs").symlink_to(REPO / "model_configs")
+    copy = root / path.relative_to(REPO)
+    text = copy.read_text()
+    for old, new in (replace or {}).items():
+        text = text.replace(old, new)
+    copy.write_text(text)
+    return copy
+
+
+def load_shipped_island(path: Path, tmp_path: Path):
+    """An island file whose tokenizer is a cluster's path (/data/...): refused here, where it
+    does not exist, and loaded with a folder under ``tmp_path`` in its place."""
+    tokenizer = yaml.safe_load(path.read_text())["data"].get("tokenizer")
+    if tokenizer is None or (path.parent / tokenizer).is_dir():
+        return load_island_config(path)
+    with pytest.raises(
+        ValueError, match=rf"data.tokenizer '{re.escape(tokenizer)}' is not a folder"
+    ):
+        load_island_config(path)
+    stand = tmp_path / f"tokenizer-{path.stem}"
+    stand.mkdir()
+    return load_island_config(stand_in(path, tmp_path / "repo", {tokenizer: str(stand)}))
 
 
 # --------------------------------------------------------------- shipped files
@@ -232,14 +265,26 @@ def test_launch_config_loads_with_paths_relative_to_the_file(path, monkeypatch, 
 @pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.name)
 def test_run_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
+    root = REPO
+    pretrained = yaml.safe_load(path.read_text())["model"].get("pretrained")
+    if pretrained and not (path.parent / pretrained).is_dir():
+        # Made by the run's launch script (convert-gguf) before it runs the file: refused
+        # until then, saying how to make it; a stand-in repository holds an empty one.
+        with pytest.raises(
+            ValueError, match=r"model.pretrained '.+' is not a folder.*convert-gguf"
+        ):
+            load_run_config(path)
+        root = tmp_path / "repo"
+        path = stand_in(path, root)
+        (path.parent / pretrained).mkdir(parents=True)
     cfg = load_run_config(path)
     model = Path(cfg.model.config or cfg.model.pretrained)
     # A pretrained folder under .cache/ is made by the run's launch script (convert-gguf);
     # it must be where that script writes it. Every other model path must exist.
-    cache = (REPO / ".cache").resolve()
+    cache = (root / ".cache").resolve()
     if cache in model.resolve().parents:
         script = (path.parent / f"{path.stem.split('-')[0]}.sh").read_text()
-        assert model.resolve().relative_to(REPO.resolve()).as_posix() in script, script
+        assert model.resolve().relative_to(root.resolve()).as_posix() in script, script
     else:
         assert model.exists()
     assert Path(cfg.deepspeed_config).is_file()
@@ -254,44 +299,207 @@ def test_run_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_p
 @pytest.mark.parametrize("path", ISLAND_FILES, ids=lambda p: p.name)
 def test_island_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    cfg = load_island_config(path)
+    cfg = load_shipped_island(path, tmp_path)
     assert Path(cfg.model.config or cfg.model.pretrained).exists()
     assert Path(cfg.deepspeed_config).is_file()
     assert cfg.coordinator_url.startswith("http")
     assert 0 <= cfg.shard < cfg.num_shards
 
 
-def test_multinode_islands_take_disjoint_shards():
-    cfgs = [load_island_config(p) for p in ISLAND_FILES if "multinode" in str(p)]
+def test_multinode_islands_take_disjoint_shards(tmp_path):
+    cfgs = [load_shipped_island(p, tmp_path) for p in ISLAND_FILES if "multinode" in str(p)]
     assert len(cfgs) == 2
     assert {c.shard for c in cfgs} == {0, 1} and {c.island for c in cfgs} == {"a", "b"}
     assert all(c.num_shards == 2 for c in cfgs)
 
 
-def test_run_file_errors_name_the_problem(tmp_path):
-    path = tmp_path / "run.yaml"
-    (tmp_path / "t").mkdir()  # the corpus folder, so that its path resolves like the workdir
-    base = {"model": {"config": "x.json"}, "deepspeed_config": "ds.json", "data": {"path": "t"},
-            "islands": [{"name": "a"}]}  # fmt: skip
-    for bad, message in (
+NAN, INF = float("nan"), float("inf")
+# A run file whose paths all exist (data.path "t" is made beside it).
+RUN = {"model": {"config": str(TINY)}, "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"},
+       "islands": [{"name": "a"}], "coordinator": {"num_fragments": 4, "sync_every": 4}}  # fmt: skip
+BAD_NAMES = ["", "../x", "a/b", "a b", "a?b", "x" * 129, ".", "..", "a\nb"]
+
+
+def write_run(tmp_path: Path, changes: dict) -> Path:
+    (tmp_path / "t").mkdir(parents=True, exist_ok=True)  # the corpus, resolved like workdir
+    return write_yaml(tmp_path / "run.yaml", with_changes(RUN, changes))
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
         ({"islands": []}, "at least one island"),
         ({"islands": [{"name": "a"}, {"name": "a"}]}, "unique"),
         ({"islands": [{"name": "a", "world_size": 0}]}, "world_size"),
-        ({"coordinator": {"num_fragment": 3}}, "coordinator.num_fragment"),
-        ({"train": {"steps": 0}}, "train.steps"),
-        ({"data": {"path": "t", "seq_len": 1}}, "data.seq_len"),
-        ({"coordinator": {"norm_guard": {"max_ratio": 0.5}}}, "NormGuard.max_ratio"),
-        ({"coordinator": {"norm_guard": {"max_ratio": 5, "min_history": 40}}}, "min_history"),
+        ({"coordinator.num_fragment": 3}, "coordinator.num_fragment"),
+        ({"train.steps": 0}, "train.steps"),
+        ({"data.seq_len": 1}, "^data.seq_len must be >= 2"),  # named once, not 'data: data.'
+        ({"coordinator.norm_guard.max_ratio": 0.5}, "^coordinator.norm_guard: NormGuard.max_ratio"),
+        ({"coordinator.norm_guard": {"max_ratio": 5, "min_history": 40}}, "min_history"),
         ({"workdir": "t/runs/one"}, r"workdir '\S+/t/runs/one' is inside data.path '\S+/t'"),
         ({"workdir": "t"}, "inside data.path"),
+        # The coordinator's model is the run's: resolved like it, and refused if it differs.
+        ({"coordinator.model": {"config": "other.json"}},
+         r"coordinator.model \{config: '\S*other.json', seed: 0\} differs from model "
+         r"\{config: '\S+tiny-llama.json', seed: 0\}"),
+        ({"coordinator.model": {"config": str(TINY), "seed": 1}}, "coordinator.model .* differs"),
+        # Files the islands open are checked at load, not in every rank later.
+        ({"model": {"pretrained": "nowhere"}},
+         r"model.pretrained 'nowhere' is not a folder .* converted to one with `ds-diloco convert-gguf`"),
+        ({"model": {"pretrained": "../smollm2-135m"}},
+         r"model.pretrained '\S+' is not a folder .*`ds-diloco convert-gguf --smollm2 --out /\S+/smollm2-135m`"),
+        ({"data.tokenizer": "./tok"}, r"data.tokenizer '\S+/tok' is not a folder"),
+        ({"data.vocab_size": 8192}, r"data.vocab_size \(8192\) is above the vocab_size of "
+                                    r"model.config '\S+/tiny-llama.json' \(4096\)"),
+        ({"deepspeed_config": "ds.json"}, r"deepspeed_config '/\S+/ds.json' does not exist"),
+        # Numbers: NaN passes every comparison, inf is no duration, a port is 16 bits.
+        ({"train.lr": NAN}, r"train.lr must be > 0 and finite, got nan"),
+        ({"train.lr": INF}, r"train.lr must be > 0 and finite, got inf"),
+        ({"train.weight_decay": NAN}, r"train.weight_decay must be >= 0 and finite, got nan"),
+        ({"train.weight_decay": -0.1}, r"train.weight_decay must be >= 0 and finite, got -0.1"),
+        ({"train.step_delay_s": NAN}, r"train.step_delay_s must be >= 0 and finite, got nan"),
+        ({"train.step_delay_s": INF}, r"train.step_delay_s must be >= 0 and finite, got inf"),
+        ({"train.seed": -1}, r"train.seed must be >= 0, got -1"),
+        ({"data.seed": -1}, r"data.seed must be >= 0, got -1"),
+        ({"restart_backoff_s": NAN}, r"restart_backoff_s must be >= 0 \(and finite\), got 5 and nan"),
+        ({"coordinator.max_body_mb": NAN}, r"^coordinator: max_body_mb must be > 0 and finite, got nan"),
+        ({"coordinator.max_body_mb": INF}, r"coordinator: max_body_mb must be > 0 and finite, got inf"),
+        ({"coordinator.island_timeout_s": NAN}, r"coordinator: island_timeout_s must be > 0 and finite"),
+        ({"coordinator.uptime_window_s": NAN}, r"coordinator: uptime_window_s must be > 0 and finite"),
+        ({"coordinator.port": 70000}, r"coordinator: port must be in 0..65535, got 70000"),
+        ({"coordinator.port": -1}, r"coordinator: port must be in 0..65535, got -1"),
+        ({"coordinator.plain_patterns": ["embed", "[bad"]}, r"plain_patterns: '\[bad' is not a regex"),
+        ({"islands": [{"name": "a", "master_port": 65536}]}, r"islands\[a\].master_port must be in 0..65535"),
+        # Ports and launcher slots: two islands on one port, or a world_size the launcher
+        # does not start, would fail (or run a different job) only at launch.
+        ({"islands": [{"name": "a", "master_port": 29500}, {"name": "b", "master_port": 29500}]},
+         r"islands\[b\].master_port 29500 is also islands\[a\].master_port"),
+        ({"coordinator.port": 29500, "islands": [{"name": "a", "master_port": 29500}]},
+         r"islands\[a\].master_port 29500 is also coordinator.port"),
+        ({"islands": [{"name": "a", "include": "localhost:0,1"}]},
+         r"islands\[a\].include 'localhost:0,1' lists 2 slot\(s\) but world_size is 1"),
+        ({"islands": [{"name": "a", "world_size": 3, "include": "h1:0@h2:0,1,2"}]},
+         r"lists 4 slot\(s\) but world_size is 3"),
+        ({"islands": [{"name": "a", "include": "localhost:x"}]},
+         r"islands\[a\].include: slots must be integers, got 'localhost:x'"),
+        ({"islands": [{"name": "a", "include": "localhost:"}]}, r"slots must be integers"),
+        ({"islands": [{"name": "a", "include": ":0"}]},
+         r"islands\[a\].include: expected 'host:slot,slot\[@host:slot,...\]' with each host once"),
+        ({"islands": [{"name": "a", "include": ""}]}, r"include: expected 'host:slot"),
+        ({"islands": [{"name": "a", "include": "h:0:1"}]}, r"include: expected 'host:slot"),
+        ({"islands": [{"name": "a", "world_size": 2, "include": "h:0@h:1"}]}, "each host once"),
+        ({"islands": [{"name": "a", "world_size": 2, "include": "h:0,0"}]},
+         r"slots must be distinct and >= 0, got 'h:0,0'"),
+        ({"islands": [{"name": "a", "include": "h:-1"}]}, "distinct and >= 0"),
+        # What is missing or mistyped is named.
+        ({"model": ...}, r"^model: missing"),
+        ({"model": None}, r"^model: expected a mapping, got NoneType"),
+        ({"workdir": 5}, r"^workdir: expected str, got 5"),
+        ({"workdir": None}, r"^workdir: expected str, got None"),
+        ({"workdir": ["a"]}, r"^workdir: expected str, got \['a'\]"),
+        # A nested section's rule names where the section is.
+        ({"coordinator.outer.momentum": 1.0},
+         r"^coordinator.outer: OuterOptimConfig.momentum must be in \[0, 1\)"),
+        ({"coordinator.policy.tau": 0}, r"^coordinator.policy: PolicyOptions.tau must be >= 1"),
+        ({"coordinator.sync_every": 0}, r"^coordinator: sync_every must be >= 1, got 0"),
+        ({"coordinator.sync_every": -8}, r"^coordinator: sync_every must be >= 1, got -8"),
+        ({"coordinator.num_fragments": 0}, r"^coordinator: num_fragments must be >= 1, got 0"),
+    ]
+    + [({"islands": [{"name": n}]}, r"^islands\[\].name must be 1-128 of") for n in BAD_NAMES],
+)  # fmt: skip
+def test_run_file_errors_name_the_problem(tmp_path, monkeypatch, changes, message):
+    if "restart_backoff_s" in changes:
+        changes = {**changes, "max_restarts": 5}
+    monkeypatch.chdir(tmp_path)  # a relative deepspeed_config found here would not count
+    (tmp_path / "ds.json").write_text(ZERO3_CPU.read_text())
+    with pytest.raises(ValueError, match=message):
+        load_run_config(write_run(tmp_path / "conf", changes))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"workdir": "runs/one"},  # beside the corpus, or in a folder whose name only
+        {"workdir": "t2/run"},  # starts like it, is fine
+        {"workdir": "../t"},
+        {"coordinator.model": {"config": str(TINY)}},  # the run's own model, said again
+        {"coordinator.model": {"config": str(TINY.parent / "deepspeed" / ".." / TINY.name)}},
+        {"data.vocab_size": 4096, "train.lr": 1e-3, "train.weight_decay": 0, "data.seed": 0},
+        {"coordinator.port": 8470,
+         "islands": [{"name": "a", "master_port": 29500}, {"name": "b", "master_port": 0},
+                     {"name": "c", "master_port": 0}]},
+        {"islands": [{"name": "a", "world_size": 2, "include": "localhost:0,1"},
+                     {"name": "b", "world_size": 3, "include": "h1:2@h2:0,1"},
+                     # every slot of a host (the hostfile's): not counted here
+                     {"name": "c", "world_size": 2, "include": "localhost"},
+                     {"name": "d", "world_size": 9, "include": "h1:0@h2"}]},
+        {"islands": [{"name": "A-z.0_9"}, {"name": "x" * 128}, {"name": "..."}]},
+        {"model": {"pretrained": "pre"}, "data.vocab_size": 8192},  # not a config: no vocab check
+        {"data.tokenizer": "tok", "data.vocab_size": 8192},  # vocab_size is the tokenizer's
+    ],
+)  # fmt: skip
+def test_run_files_that_load(tmp_path, changes):
+    for folder in ("pre", "tok"):
+        (tmp_path / folder).mkdir()
+    cfg = load_run_config(write_run(tmp_path, changes))
+    assert cfg.coordinator.model == cfg.model
+    if "workdir" in changes:
+        assert cfg.workdir.endswith(changes["workdir"].lstrip("./"))
+
+
+def test_run_coordinator_model_resolves_against_the_run_file(tmp_path, monkeypatch):
+    (tmp_path / "conf" / "sub").mkdir(parents=True)
+    shutil.copy(TINY, tmp_path / "conf" / "sub" / "m.json")
+    monkeypatch.chdir(tmp_path)  # not the run file's folder: 'sub/m.json' is not here
+    model = {"config": "sub/m.json"}
+    cfg = load_run_config(
+        write_run(tmp_path / "conf", {"model": model, "coordinator.model": model})
+    )
+    assert cfg.coordinator.model.config == str(tmp_path / "conf" / "sub" / "m.json")
+    assert cfg.coordinator.model == cfg.model
+    model = {"pretrained": "sub"}
+    cfg = load_run_config(
+        write_run(tmp_path / "conf", {"model": model, "coordinator.model": model})
+    )
+    assert cfg.coordinator.model.pretrained == str(tmp_path / "conf" / "sub")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{", r"deepspeed_config '\S+/ds.json' is not valid JSON"),
+        ("{}", r"deepspeed_config '\S+/ds.json': zero_optimization.stage must be 3 \(ZeRO-3\), got None"),
+        ('{"zero_optimization": {"stage": 2}}', r"zero_optimization.stage must be 3 .*got 2"),
+        ('{"zero_optimization": 3}', r"zero_optimization.stage must be 3 .*got None"),
+        ("[]", r"zero_optimization.stage must be 3"),
+    ],
+)  # fmt: skip
+def test_deepspeed_config_is_checked_at_load(tmp_path, monkeypatch, text, message):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "ds.json").write_text(text)
+    (tmp_path / "ds.json").write_text(ZERO3_CPU.read_text())
+    monkeypatch.chdir(tmp_path)  # resolved against the run file, never the working directory
+    with pytest.raises(ValueError, match=message):
+        load_run_config(write_run(tmp_path / "conf", {"deepspeed_config": "ds.json"}))
+    island = {"island": "a", "coordinator_url": "http://h:1", "model": {"config": str(TINY)},
+              "deepspeed_config": "ds.json", "data": {"path": "t"}}  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        load_island_config(write_yaml(tmp_path / "conf" / "island.yaml", island))
+
+
+def test_island_file_paths_are_checked_at_load(tmp_path):
+    island = {"island": "a", "coordinator_url": "http://h:1", "model": {"config": str(TINY)},
+              "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"}}  # fmt: skip
+    path = tmp_path / "island.yaml"
+    assert load_island_config(write_yaml(path, island)).deepspeed_config == str(ZERO3_CPU)
+    for changes, message in (
+        ({"model": {"pretrained": "./m"}}, r"model.pretrained '\S+/m' is not a folder"),
+        ({"data.tokenizer": "/no/tok"}, r"data.tokenizer '/no/tok' is not a folder"),
+        ({"data.vocab_size": 4097}, r"data.vocab_size \(4097\) is above the vocab_size"),
+        ({"deepspeed_config": "ds.json"}, r"deepspeed_config '\S+/ds.json' does not exist"),
     ):
-        path.write_text(json.dumps({**base, **bad}))
         with pytest.raises(ValueError, match=message):
-            load_run_config(path)
-    # Beside the corpus, or in a folder whose name only starts like it, is fine.
-    for workdir in ("runs/one", "t2/run", "../t"):
-        path.write_text(json.dumps({**base, "workdir": workdir}))
-        assert load_run_config(path).workdir.endswith(workdir.lstrip("./"))
+            load_island_config(write_yaml(path, with_changes(island, changes)))
 
 
 def test_example_coordinator_config_values():
@@ -319,6 +527,9 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
     path = write_yaml(
         tmp_path / "conf" / "p.yaml", {"model": {"pretrained": "hf"}, "state_dir": "/abs/state"}
     )
+    with pytest.raises(ValueError, match=r"model.pretrained '\S+/conf/hf' is not a folder"):
+        load_coordinator_config(path)  # the coordinator would fail to build its model
+    (tmp_path / "conf" / "hf").mkdir()
     cfg = load_coordinator_config(path)
     assert Path(cfg.model.pretrained) == tmp_path / "conf" / "hf"
     assert cfg.state_dir == "/abs/state"  # absolute paths are kept as they are
@@ -352,8 +563,13 @@ def test_defaults_from_a_minimal_dict():
         ("- a\n- b\n", "must hold a mapping at the top level"),
         ("model: [1,\n", "is not valid YAML"),
         ("a: b: c\n", "is not valid YAML"),
+        # PyYAML keeps the last of two equal keys; a file saying both is refused.
+        ("state_dir: a\nport: 1\nstate_dir: b\n",
+         r"is not valid YAML: duplicate key 'state_dir' \(first at line 1\) at line 3, column 1"),
+        ("policy: {tau: 1, tau: 2}\n", r"duplicate key 'tau' \(first at line 1\) at line 1"),
+        ("a:\n  - {x: 1}\n  - {x: 2, x: 3}\n", r"duplicate key 'x' \(first at line 3\) at line 3"),
     ],
-)
+)  # fmt: skip
 def test_unreadable_files_are_refused(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -361,6 +577,17 @@ def test_unreadable_files_are_refused(tmp_path, text, message):
         load_coordinator_config(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_coordinator_config(tmp_path / "missing.yaml")
+
+
+def test_equal_keys_in_different_mappings_and_merge_overrides_load(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "base: &base {tau: 2, min_quorum: 1}\n"  # an anchor, merged below and overridden
+        "coordinator:\n  model: {config: m.json, seed: 1}\n  state_dir: s\n"
+        "  policy: {<<: *base, tau: 1}\n  outer: {lr: 0.5}\n"
+    )
+    cfg = load_coordinator_config(path)
+    assert (cfg.policy.tau, cfg.policy.min_quorum, cfg.outer.lr, cfg.model.seed) == (1, 1, 0.5, 1)
 
 
 # --------------------------------------------------------------- unknown keys, types
@@ -449,24 +676,34 @@ def test_missing_required_field_is_named(missing):
             r"policy.tau \(8\) must be < sync_every \(8\)",
         ),
         ({"save_every_merges": 0}, r"save_every_merges must be >= 1, got 0"),
-        ({"max_body_mb": 0}, r"max_body_mb must be > 0, got 0"),
-        ({"max_body_mb": -1.5}, r"max_body_mb must be > 0, got -1.5"),
-        ({"island_timeout_s": 0}, r"island_timeout_s must be > 0, got 0"),
+        ({"max_body_mb": 0}, r"max_body_mb must be > 0 and finite, got 0"),
+        ({"max_body_mb": -1.5}, r"max_body_mb must be > 0 and finite, got -1.5"),
+        ({"max_body_mb": float("nan")}, r"max_body_mb must be > 0 and finite, got nan"),
+        ({"max_body_mb": float("inf")}, r"max_body_mb must be > 0 and finite, got inf"),
+        ({"island_timeout_s": 0}, r"island_timeout_s must be > 0 and finite, got 0"),
         ({"island_timeout_s": -1}, r"island_timeout_s must be > 0"),
+        ({"island_timeout_s": float("nan")}, r"island_timeout_s must be > 0 and finite, got nan"),
+        ({"uptime_window_s": float("nan")}, r"uptime_window_s must be > 0 and finite, got nan"),
+        ({"port": 65536}, r"port must be in 0..65535, got 65536"),
+        ({"port": -1}, r"port must be in 0..65535, got -1"),
+        ({"plain_patterns": ["[bad"]}, r"plain_patterns: '\[bad' is not a regex"),
+        # Checked before the rules that divide by or compare with it.
+        ({"sync_every": 0}, r"^sync_every must be >= 1, got 0"),
+        ({"sync_every": -8, "num_fragments": 8}, r"^sync_every must be >= 1, got -8"),
         ({"model.pretrained": "/hf"}, r"model: set exactly one of 'pretrained'"),
         ({"model.config": ...}, r"model: set exactly one of 'pretrained'"),
         ({"model.config": None}, r"model: set exactly one of 'pretrained'"),
-        # Nested configs validate themselves; their errors come through from_dict.
-        ({"policy.min_quorum": 0}, r"PolicyOptions.min_quorum must be >= 1"),
-        ({"policy.grace_gamma": 1.0}, r"PolicyOptions.grace_gamma must be in \[0, 1\)"),
-        ({"policy.max_grace_s": -1}, r"PolicyOptions.max_grace_s must be >= 0"),
-        ({"policy.tau": 0}, r"PolicyOptions.tau must be >= 1"),
-        ({"outer.name": "adam"}, r"OuterOptimConfig.name must be one of"),
-        ({"outer.lr": 0}, r"OuterOptimConfig.lr must be > 0"),
-        ({"outer.momentum": 1.0}, r"OuterOptimConfig.momentum must be in \[0, 1\)"),
-        ({"outer.every": 0}, r"OuterOptimConfig.every must be >= 1"),
-        ({"staleness.mode": "keep"}, r"StalenessPolicy.mode must be one of"),
-        ({"staleness.discount_lambda": -1}, r"StalenessPolicy.discount_lambda must be"),
+        # Nested configs validate themselves; from_dict says where the section is.
+        ({"policy.min_quorum": 0}, r"^policy: PolicyOptions.min_quorum must be >= 1"),
+        ({"policy.grace_gamma": 1.0}, r"^policy: PolicyOptions.grace_gamma must be in \[0, 1\)"),
+        ({"policy.max_grace_s": -1}, r"^policy: PolicyOptions.max_grace_s must be >= 0"),
+        ({"policy.tau": 0}, r"^policy: PolicyOptions.tau must be >= 1"),
+        ({"outer.name": "adam"}, r"^outer: OuterOptimConfig.name must be one of"),
+        ({"outer.lr": 0}, r"^outer: OuterOptimConfig.lr must be > 0"),
+        ({"outer.momentum": 1.0}, r"^outer: OuterOptimConfig.momentum must be in \[0, 1\)"),
+        ({"outer.every": 0}, r"^outer: OuterOptimConfig.every must be >= 1"),
+        ({"staleness.mode": "keep"}, r"^staleness: StalenessPolicy.mode must be one of"),
+        ({"staleness.discount_lambda": -1}, r"^staleness: StalenessPolicy.discount_lambda must be"),
     ],
 )
 def test_validation_rules_name_the_field(changes, message):
@@ -508,6 +745,11 @@ def test_rules_hold_for_direct_construction_too():
         ({"start_together": -1}, "start_together must be >= 0"),
         ({"shard": 2, "num_shards": 2}, r"shard must be in \[0, num_shards=2\)"),
         ({"coordinator_url": "10.0.0.1:8470"}, "coordinator_url must be http"),
+        # The coordinator's rule for island ids: they go into URLs and file paths.
+        *[
+            ({"island": n}, rf"^island must be 1-128 of .*, got {re.escape(repr(n))}")
+            for n in BAD_NAMES
+        ],
     ],
 )
 def test_island_config_rules_name_the_field(changes, message):

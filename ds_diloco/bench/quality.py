@@ -361,6 +361,9 @@ def _gpus(s: Setup, first: int, count: int) -> str | None:
     """The deepspeed launcher's --include for ranks [first, first + count), wrapped on the GPUs."""
     if not s.gpus:
         return None
+    if count > s.gpus:  # a slot listed once starts one rank: the island would be smaller
+        raise ValueError(f"bench quality: an island of {count} ranks needs {count} GPUs, "
+                         f"this machine has {s.gpus}; lower the ranks per island")  # fmt: skip
     ids = sorted({(first + i) % s.gpus for i in range(count)})
     return "localhost:" + ",".join(map(str, ids))
 
