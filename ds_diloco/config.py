@@ -440,7 +440,8 @@ class RunConfig:
     versions, with a model card) every this many merges, summed over fragments, into
     ``workdir/exports/merges-<n>``; 0: never."""
     push_to_hub: str | None = None
-    """A Hugging Face Hub repo each periodic export is pushed to (one commit each)."""
+    """A Hugging Face Hub repo the final export (with the run's model card) and each periodic
+    export are pushed to, one commit each; the token is checked before the run starts."""
     max_restarts: int = 5
     """An island whose rank dies is torn down and restarted at most this many times."""
     restart_backoff_s: float = 1.0
