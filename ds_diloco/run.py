@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco.client import CoordinatorClient
-from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig
+from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.syncer import Superseded
 
 PROGRESS_EVERY_S = 5.0
@@ -105,10 +105,8 @@ def local_slots(spec) -> list[int] | None:
     """The local device slots of an island, or None when its ``include`` names other hosts."""
     if not spec.include:
         return list(range(spec.world_size))
-    host, _, slots = spec.include.partition(":")
-    if host != "localhost" or "@" in slots or not slots:
-        return None
-    return [int(x) for x in slots.split(",")]
+    hosts = parse_include(spec.include)  # checked at load
+    return hosts["localhost"] if list(hosts) == ["localhost"] else None
 
 
 class LocalRun:
