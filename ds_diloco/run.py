@@ -115,8 +115,14 @@ class LocalRun:
         self.workdir = Path(cfg.workdir)
         if fresh:  # a run starts from the initial model; keep the corpus cache
             _refuse_foreign_state(cfg)
-            shutil.rmtree(self.workdir / "state", ignore_errors=True)
-            shutil.rmtree(self.workdir / "islands", ignore_errors=True)
+            # And none of an earlier run's outputs stays to pass for this one's; but an
+            # export this run starts from (model.pretrained, data.tokenizer) stays.
+            inputs = [Path(x).resolve() for x in (cfg.model.pretrained, cfg.data.tokenizer) if x]
+            for out in ("state", "islands", "tensorboard", "export", "exports"):
+                path = (self.workdir / out).resolve()
+                if not any(x == path or path in x.parents for x in inputs):
+                    shutil.rmtree(path, ignore_errors=True)
+            (self.workdir / "summary.json").unlink(missing_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = cfg.coordinator.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
         self.env = _env(self.token, sum(i.world_size for i in cfg.islands))
@@ -156,11 +162,15 @@ class LocalRun:
         coord.pop("token")
         path = self.workdir / "coordinator.json"
         path.write_text(json.dumps(coord, indent=1))
-        log = (self.workdir / "coordinator.log").open("w")
-        self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(path)],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        # Appended: a restart (or --resume) must not erase why the last one died.
+        log = (self.workdir / "coordinator.log").open("a")
+        log.write(f"--- coordinator started {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.flush()
+        with _recorded():
+            self.coordinator = subprocess.Popen(
+                [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(path)],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
         host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
         self.url = f"http://{host}:{port}"
         self._mark("coordinator_spawned_s")
@@ -217,12 +227,12 @@ class LocalRun:
         port = spec.master_port or free_port()
         cmd = [*launcher_cmd(spec, port), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
-        with (d / "log.txt").open("a") as log:  # restarts append to the same log
+        with _recorded(), (d / "log.txt").open("a") as log:  # restarts append to the same log
             proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self.islands[spec.name] = proc
-        self._island_args[spec.name] = (spec, shard, num_shards, plain)
+            self.islands[spec.name] = proc
+            self._island_args[spec.name] = (spec, shard, num_shards, plain)
         return proc
 
     def island_dir(self, name: str) -> Path:
@@ -257,6 +267,7 @@ class LocalRun:
         go on without a rank), after a bounded backoff, and a coordinator that exited."""
         now = time.monotonic()
         for name, proc in list(self.islands.items()):
+            _group_done(proc)  # noted as soon as seen: its pid may be anyone's later
             if name in self._restart_at:
                 if now >= self._restart_at[name]:
                     del self._restart_at[name]
@@ -266,7 +277,8 @@ class LocalRun:
             rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
                 continue
-            _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind
+            if not _group_done(proc):
+                _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind
             if rc == Superseded.exit_code:  # a restart would take the island back: ping-pong
                 self.given_up.add(name)
                 self.superseded.add(name)
@@ -319,9 +331,11 @@ class LocalRun:
         for spec in self.cfg.islands:
             path = self.workdir / "islands" / spec.name / "progress.jsonl"
             if path.exists():
-                lines = path.read_text().splitlines()
-                if lines:
-                    out[spec.name] = json.loads(lines[-1])
+                for line in reversed(path.read_text().splitlines()):
+                    record = _json_or_none(line)  # a crash can cut a line short
+                    if isinstance(record, dict):
+                        out[spec.name] = record
+                        break
         return out
 
     def progress_line(self, client: CoordinatorClient) -> str:
@@ -370,6 +384,9 @@ def stop_on_signals():
             print(f"{signal.Signals(signum).name}: already stopping", flush=True)
             return
         stopping = True
+        if _launch["depth"]:  # raised inside Popen, the new process would go unrecorded
+            _launch["pending"] = signum
+            return
         raise Stopped(signum)
 
     old = {s: signal.signal(s, raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -378,6 +395,26 @@ def stop_on_signals():
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+_launch = {"depth": 0, "pending": None}
+"""A process being started and recorded (``_recorded``); a stop signal that came meanwhile."""
+
+
+@contextlib.contextmanager
+def _recorded():
+    """Start a process and record it before a stop signal is acted on. Raised between
+    fork and ``Popen`` returning, a :class:`Stopped` left the new launcher running, never
+    recorded, so ``stop`` did not stop it (60 of 150 signals timed into a start here)."""
+    _launch["depth"] += 1
+    try:
+        yield
+    finally:
+        _launch["depth"] -= 1
+        signum = _launch["pending"] if _launch["depth"] == 0 else None
+        _launch["pending"] = None if signum is not None else _launch["pending"]
+    if signum is not None:
+        raise Stopped(signum)
 
 
 def _status_or_none(client: CoordinatorClient) -> dict | None:
@@ -453,7 +490,9 @@ class Board:
             end = data.rfind(b"\n") + 1  # whole lines only
             self.read[name] = self.read.get(name, 0) + end
             for line in data[:end].splitlines():
-                yield name, json.loads(line)
+                record = _json_or_none(line)
+                if isinstance(record, dict):
+                    yield name, record
 
     def write(self, status: dict | None) -> None:
         t = time.monotonic() - self.t0
@@ -475,9 +514,23 @@ class Board:
 
 
 def _signal_group(p: subprocess.Popen, sig) -> None:
-    """Signal ``p``'s process group: also after ``p`` itself exited, while its children live."""
+    """Signal ``p``'s process group: also after ``p`` itself exited, while its children live;
+    not once the group was seen empty (``_group_done``)."""
+    if getattr(p, "group_done", False):
+        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)
+
+
+def _group_done(p: subprocess.Popen) -> bool:
+    """Whether ``p`` exited and its process group emptied, noted on ``p`` when first seen.
+
+    From then on the pid is free for the system to give out again, and a new group leader
+    with it would be signalled as ``p``'s group (``stop`` SIGKILLed an unrelated job so).
+    While a process of the group lives, the kernel keeps its pgid from being reused."""
+    if not getattr(p, "group_done", False) and p.poll() is not None and not _group_alive(p.pid):
+        p.group_done = True
+    return getattr(p, "group_done", False)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -504,6 +557,8 @@ def _group_gone(pgid: int, timeout: float) -> bool:
 def _wait(p: subprocess.Popen, timeout: float) -> None:
     """Until ``p`` and every process of its group are gone; SIGKILL the group after
     ``timeout`` s."""
+    if getattr(p, "group_done", False):
+        return
     deadline = time.monotonic() + timeout
     with contextlib.suppress(subprocess.TimeoutExpired):
         p.wait(timeout=timeout)
@@ -511,6 +566,15 @@ def _wait(p: subprocess.Popen, timeout: float) -> None:
         _signal_group(p, signal.SIGKILL)
         p.wait(timeout=10)
         _group_gone(p.pid, 10)
+    p.group_done = True
+
+
+def _json_or_none(text: str):
+    """A JSON document, or None for a torn one (a crash mid-write, a full disk)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _refuse_foreign_state(cfg: RunConfig) -> None:
@@ -544,7 +608,8 @@ def resume_point(cfg: RunConfig) -> dict:
     for spec in cfg.islands:
         d = Path(cfg.workdir) / "islands" / spec.name
         done = d / "summary-rank0.json"
-        if done.is_file() and json.loads(done.read_text()).get("steps", 0) >= cfg.train.steps:
+        summary = _json_or_none(done.read_text()) if done.is_file() else None
+        if isinstance(summary, dict) and summary.get("steps", 0) >= cfg.train.steps:
             out[spec.name] = {"done": True}
             continue
         latest = d / "checkpoints" / "latest"
@@ -662,7 +727,12 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
             code = e.exit_code
         finally:
-            lr.stop()
+            try:
+                lr.stop()
+            except Stopped as e:  # came while a finished run stopped: finish the stop
+                print(f"\ninterrupted ({e}) while stopping: finishing the stop ...", flush=True)
+                code = e.exit_code
+                lr.stop()
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
@@ -676,7 +746,9 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     for spec in cfg.islands:
         path = lr.workdir / "islands" / spec.name / "summary-rank0.json"
         if path.exists():
-            summary["islands"][spec.name] = json.loads(path.read_text())
+            island = _json_or_none(path.read_text())  # torn by a crash: left out
+            if isinstance(island, dict):
+                summary["islands"][spec.name] = island
     state = Path(cfg.coordinator.state_dir) / "coordinator.json"  # none if stopped starting
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = g = None

@@ -17,5 +17,9 @@ if [[ ! -f $MODEL/config.json ]]; then
   trap 'rm -rf "$tmp"' EXIT
   .venv/bin/ds-diloco convert-gguf --smollm2 --out "$tmp/hf"
   mv -T "$tmp/hf" "$MODEL" # appears whole or not at all
+  rm -rf "$tmp"
+  trap - EXIT
 fi
-.venv/bin/ds-diloco run launch/finetune-smollm2.yaml "$@"
+# exec: `kill PID` of this script reaches the run, which stops its islands (bash would not
+# pass the signal on to a child in the foreground, and the run would go on orphaned).
+exec .venv/bin/ds-diloco run launch/finetune-smollm2.yaml "$@"

@@ -14,7 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-[[ -x $PY ]] || PY=python3
+command -v "$PY" >/dev/null || PY=python3 # a path or a command on PATH
+"$PY" -c 'import torch' 2>/dev/null ||
+  { echo "gpu_check.sh: $PY has no torch: run launch/setup.sh, or set PYTHON" >&2; exit 1; }
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 WORKDIR=${GPU_CHECK_WORKDIR:-runs/gpu-check}
 [[ -f model_configs/llama-1b.json && -f model_configs/deepspeed/zero3_gpu.json ]] ||

@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A .venv without pip (what a first `python3 -m venv` leaves where python3-venv is
+# missing) is made again, not reused and failing at every run.
+if ! { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; }; then
+  "$PY" -m venv --clear .venv
+  rm -f .venv/.ds-diloco-setup
+fi
 stamp=.venv/.ds-diloco-setup
 want=$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then

@@ -425,3 +425,79 @@ def test_a_run_that_pushes_to_the_hub_checks_its_token_before_anything_starts(
     with pytest.raises(ValueError, match="pushing to me/model needs a Hugging Face token"):
         run_mod.run(load_run_config(path))
     assert not (tmp_path / "run").exists()  # no coordinator, no island, no workdir
+
+
+def test_a_launcher_seen_gone_with_its_group_is_never_signalled_again(monkeypatch):
+    # Its pid is free once the group is empty: a later job given that pid as group leader
+    # was SIGTERMed, then SIGKILLed, by stop() (reproduced in a pid namespace).
+    p = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    p.wait()
+    assert run_mod._group_done(p)
+    sent = []
+    monkeypatch.setattr(run_mod.os, "killpg", lambda pid, sig: sent.append((pid, sig)))
+    run_mod._signal_group(p, signal.SIGTERM)
+    run_mod._wait(p, 1)
+    assert sent == []
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert not run_mod._group_done(live)
+        run_mod._signal_group(live, signal.SIGTERM)
+        assert sent == [(live.pid, signal.SIGTERM)]
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_stop_signal_during_a_start_is_raised_once_the_process_is_recorded():
+    # Raised inside Popen (between fork and its return), the Stopped left the new launcher
+    # running and unrecorded: stop() never stopped it.
+    started = []
+    with run_mod.stop_on_signals(), pytest.raises(run_mod.Stopped) as e, run_mod._recorded():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs here, inside the start
+        started.append("recorded")
+    assert started == ["recorded"] and e.value.exit_code == 128 + signal.SIGTERM
+
+
+def test_torn_progress_and_summary_files_do_not_stop_a_run(tmp_path, tiny_config_path):
+    # A crash mid-write leaves a torn line (and a restarted island appends to it): reading
+    # it raised, and the whole run stopped with exit 2.
+    islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=4))
+    lr = LocalRun(cfg)
+    a, b = lr.island_dir("a"), lr.island_dir("b")
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    (a / "progress.jsonl").write_text(
+        '{"island": "a", "step": 2, "loss": 5.0}\n{"island": "a", "step": 3, "lo'
+        '{"island": "a", "step": 0, "started_at": 2.0\n'
+    )
+    (b / "progress.jsonl").write_text('{"island": "b", "step": 4, "loss": 4.0}\n')
+    assert lr.island_records() == {"a": {"island": "a", "step": 2, "loss": 5.0},
+                                   "b": {"island": "b", "step": 4, "loss": 4.0}}  # fmt: skip
+    (Path(cfg.coordinator.state_dir)).mkdir(parents=True)
+    (Path(cfg.coordinator.state_dir) / "coordinator.json").write_text("{}")
+    (a / "summary-rank0.json").write_text('{"steps": 4, "tok')  # torn: not done
+    (b / "summary-rank0.json").write_text('{"steps": 4}')
+    assert run_mod.resume_point(cfg) == {"a": {"step": 0}, "b": {"done": True}}
+
+
+def test_a_fresh_run_clears_an_earlier_runs_outputs_but_not_its_own_inputs(
+    tmp_path, tiny_config_path
+):
+    islands = [{"name": "a", "world_size": 1}]
+    path = write_run_file(tmp_path, tiny_config_path, islands, steps=1)
+    work = tmp_path / "run"
+    for d in ("tensorboard", "export", "exports/merges-8"):
+        (work / d).mkdir(parents=True)
+    (work / "summary.json").write_text("{}")
+    LocalRun(load_run_config(path))
+    assert sorted(p.name for p in work.iterdir()) == []
+    # A run that starts from the earlier run's export keeps it.
+    (work / "export").mkdir()
+    (work / "export" / "config.json").write_text(Path(tiny_config_path).read_text())
+    run = json.loads(path.read_text())
+    path.write_text(json.dumps({**run, "model": {"pretrained": str(work / "export")}}))
+    LocalRun(load_run_config(path))
+    assert (work / "export" / "config.json").is_file()
