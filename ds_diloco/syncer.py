@@ -497,11 +497,23 @@ class FragmentSyncer:
 
     def _send(self, frag: Fragment, step: int, ok: bool, tokens: int) -> None:
         slot = self.slots[frag.index]
-        # Every rank marks the send, uploaded or not, so that the ranks' due steps agree.
-        slot.sent_step = step
+        # Every rank marks the send, uploaded or not, so that the ranks' due steps agree. A
+        # skip keeps the mark of an earlier upload still waiting for its result: moved on,
+        # it put off the base's refetch (_wanted) past the next turn, every turn (with K > 1
+        # and a slow island, a fragment was never sent again), and hid the fragment's steps
+        # from the flush (_send_progress: "sent at the last step").
         with self._lock:
             if frag.index in self._skipped and self._skipped[frag.index] is None:
                 self._skipped[frag.index] = step  # its first upload since the shift
+        if not ok and slot.sent_step is not None:
+            self.stats.skipped += 1
+            log.info(
+                "%s/%d fragment %d step %d: send skipped, upload at step %d kept (this rank: %s)",
+                self.island, self.rank, frag.index, step, slot.sent_step,
+                self._not_ready or "ready; another rank was not",
+            )  # fmt: skip
+            return
+        slot.sent_step = step
         if not ok:  # decided by the whole island (on_step): the next send carries the progress
             self.stats.skipped += 1
             log.info(
@@ -677,7 +689,8 @@ class FragmentSyncer:
                 elif s.version < 0:  # torn by a bad download
                     out.append(-1)
                 elif s.holds_upload and (
-                    self._flushing or not s.in_flight or step - s.sent_step >= cycle
+                    # One step before its next turn: the refetch is in by the turn.
+                    self._flushing or not s.in_flight or step - s.sent_step >= cycle - 1
                 ):
                     # No result will come (failed, dropped, or lost in a coordinator restart),
                     # or the flush may send the fragment again: the base is fetched again,

@@ -120,6 +120,59 @@ def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sen
         assert srv.coord.status()["islands"]["a"]["dropped"] == 0
 
 
+def test_a_fragment_whose_result_does_not_come_is_sent_again_with_all_its_steps(
+    tiny_config_path, tmp_path
+):
+    """K = 2 and island b is live but has not sent: a's upload at step 2 gets no result.
+    Its base is fetched again before the fragment's next turn and a newer upload, holding
+    every step since the last apply, replaces the pending one. Found by review: each skip
+    moved the upload's mark on, so the refetch never came in time; every later send was
+    skipped and b's eventual round merged a's 2-step contribution, losing the rest."""
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        # Long polls far shorter than a turn (H steps), as with real step times.
+        (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), 1,
+                              long_poll_s=0.05)  # fmt: skip
+        a.bootstrap()
+        client.register("b", 1, srv.coord.plan.signature)
+        for step in range(1, 15):
+            client.versions("b")  # b's heartbeat: live, not sending
+            train(a, range(step, step + 1), wait_results=False)
+            slot = a.slots[(step // 2) % 2]  # the fragment due at step + 1 (H / P = 2)
+            if step % 2 and step > 4:  # its base is back by its turn (the refetch is in)
+                wait_for(lambda slot=slot: not slot.holds_upload)
+        wait_for(lambda: a.stats.uploads == 7)  # at steps 2, 4, ..., 14: none skipped
+        assert a.stats.skipped == 0, a.stats
+        sent = {f: srv.coord._frags[f].complete["a"] for f in (0, 1)}
+        # The latest uploads hold every step since the bootstrap: none lost.
+        assert [(c.step, c.steps) for c in sent.values()] == [(14, 14), (12, 12)]
+        a.close()
+
+
+def test_flush_sends_a_fragment_whose_last_turn_was_skipped_in_an_outage(
+    tiny_config_path, tmp_path
+):
+    """Unreachable for the last steps, reachable at the flush: fragment 1's upload at step 4
+    failed, its turn at step 8 was skipped, and the flush took the skip for a send at the
+    last step: its 8 steps never reached the global model (found by review)."""
+    cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1)
+    with ServerThread(cfg) as srv, ChaosProxy(srv.host, srv.port) as proxy:
+        client = CoordinatorClient(proxy.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "isl", model_from(tiny_config_path, 0), 1)
+        s.bootstrap()
+        train(s, range(1, 4))
+        proxy.set(drop=True)
+        for step in range(4, 9):
+            train(s, range(step, step + 1), wait_results=False)
+            wait_for(lambda: s._uploads.unfinished_tasks == 0)
+        assert s.stats.skipped == 1 and s.slots[1].steps == 8
+        proxy.set(drop=False)
+        assert sorted(s.flush(timeout_s=10)) == [0, 1]
+        assert [sl.steps for sl in s.slots] == [0, 0]  # both merged and applied
+        assert srv.coord.status()["islands"]["isl"]["steps_merged"] == 2 + 5 + 8
+        s.close()
+
+
 def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path, tmp_path):
     cfg = CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
