@@ -93,14 +93,17 @@ class Learner:
         if keep_local_steps and alpha > 0.0:
             raise LearnerError("keep_local_steps and alpha > 0 are two ways to apply: pick one")
         self.engine, self.island = engine, island
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         token = token or os.environ.get(TOKEN_ENV)
 
         def need_token():  # the variable may be set on some nodes only: every rank raises
             if not token:
                 raise LearnerError(f"no token: pass token= or set {TOKEN_ENV}")
 
-        self._all(need_token)
+        if dist.is_initialized():
+            self._all(need_token)
+        else:
+            need_token()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.client = CoordinatorClient(coordinator, token)
         sig = signature(param_specs(engine.module.named_parameters()))
         # Every failure below is agreed on by the whole island before anyone raises, so a
