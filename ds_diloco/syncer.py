@@ -282,8 +282,11 @@ class FragmentSyncer:
         or after :meth:`close`). A merge between two ranks' downloads gives them
         different versions; the ones behind download again.
         """
-        if any(t.is_alive() for t in self._threads):
-            raise RuntimeError("take_global() while the network thread runs: close() first")
+        # Decided by the whole island: raised on one rank only, the others would wait for
+        # it in the agreement below. Only the downloader writes bases.
+        _, running, _ = self._agree([int(self._threads[1].is_alive())])
+        if running[0]:
+            raise RuntimeError("take_global() while a rank's downloader still runs: close() first")
         todo = list(self.plan.fragments)
         for _ in range(attempts):
             for f in todo:
@@ -950,11 +953,14 @@ class FragmentSyncer:
         uploader, downloader = self._threads
         if uploader.is_alive():
             uploader.join(timeout=max(0.0, deadline - time.monotonic()))
+        while uploader.is_alive() and time.monotonic() < deadline + 5.0:  # a stalled upload
+            self.client.interrupt(uploader)
+            uploader.join(timeout=0.05)
         # The downloader may be in a long poll (up to long_poll_s, at every island's exit
         # and restart): its connection is shut down to wake it, again until it is gone (it
         # may have been about to send one). A download cut short leaves its slot torn,
         # fetched again whole if ever needed.
-        while downloader.is_alive() and time.monotonic() < deadline:
+        while downloader.is_alive() and time.monotonic() < deadline + 5.0:
             self.client.interrupt(downloader)
             downloader.join(timeout=0.05)
         with self._lock:

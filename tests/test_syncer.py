@@ -173,6 +173,30 @@ def test_flush_sends_a_fragment_whose_last_turn_was_skipped_in_an_outage(
         s.close()
 
 
+def test_take_global_refuses_on_every_rank_when_one_rank_still_downloads(
+    tiny_config_path, tmp_path
+):
+    # Raised on that rank alone, the others waited for it in the agreement (a hang under
+    # gloo); close() on a stalled link left threads alive that way (found by review).
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        ranks = island_syncers(srv, client, "isl", model_from(tiny_config_path, 0), 2)
+        run_threads(*(s.bootstrap for s in ranks))
+        ranks[0].close()
+        errors = []
+
+        def take(s):
+            try:
+                s.take_global()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        run_threads(*(lambda s=s: take(s) for s in ranks))
+        assert len(errors) == 2 and all("downloader still runs" in e for e in errors), errors
+        ranks[1].close()
+        assert run_threads(*(s.take_global for s in ranks))[0] == srv.coord.versions()
+
+
 def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path, tmp_path):
     cfg = CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
