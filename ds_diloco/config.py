@@ -38,7 +38,8 @@ def _finite(x: float, at_least: float = 0.0, strict: bool = False) -> bool:
     return math.isfinite(x) and (x > at_least if strict else x >= at_least)
 
 
-def _island_id_ok(name) -> bool:
+def valid_island_id(name) -> bool:
+    """Config and coordinator registration alike: ``ISLAND_ID_RULE``."""
     return isinstance(name, str) and bool(ISLAND_ID.fullmatch(name)) and name not in (".", "..")
 
 
@@ -353,7 +354,7 @@ class IslandConfig:
     sets this to cover the coordinator's start-up."""
 
     def __post_init__(self):
-        if not _island_id_ok(self.island):
+        if not valid_island_id(self.island):
             raise ValueError(f"island must be {ISLAND_ID_RULE}, got {self.island!r}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
@@ -392,7 +393,7 @@ class IslandSpec:
     """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'."""
 
     def __post_init__(self):
-        if not _island_id_ok(self.name):
+        if not valid_island_id(self.name):
             raise ValueError(f"islands[].name must be {ISLAND_ID_RULE}, got {self.name!r}")
         if self.world_size < 1:
             raise ValueError(f"islands[{self.name}].world_size must be >= 1, got {self.world_size}")

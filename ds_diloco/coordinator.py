@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ds_diloco import compress, wire
-from ds_diloco.config import ISLAND_ID, ISLAND_ID_RULE, CoordinatorConfig
+from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.merge import (
     fragment_layout,
@@ -195,12 +195,12 @@ def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
 
 
 _MAX_CACHED_BODIES = 64
+"""Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
 MAX_COUNTER = 2**53
 """Upper bound of an upload's counters (step, steps, tokens, versions, incarnation): the
 integers a float64 holds exactly. Larger ones overflowed the token weight (tokens^2 /
 steps = inf: the round's merge failed and every island's contribution in it was lost),
 the step-time EMA and /metrics."""
-"""Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +422,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ islands
     def register(self, island: str, world_size: int, signature: str) -> dict:
-        if not isinstance(island, str) or not ISLAND_ID.fullmatch(island) or island in (".", ".."):
+        if not valid_island_id(island):
             raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {island!r}")
         if type(world_size) is not int or not 1 <= world_size <= MAX_COUNTER:  # not a bool
             raise CoordinatorError(

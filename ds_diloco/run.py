@@ -277,8 +277,7 @@ class LocalRun:
             rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
                 continue
-            if not _group_done(proc):
-                _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind
+            _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind (if any)
             if rc == Superseded.exit_code:  # a restart would take the island back: ping-pong
                 self.given_up.add(name)
                 self.superseded.add(name)
@@ -411,8 +410,9 @@ def _recorded():
         yield
     finally:
         _launch["depth"] -= 1
-        signum = _launch["pending"] if _launch["depth"] == 0 else None
-        _launch["pending"] = None if signum is not None else _launch["pending"]
+        signum = None
+        if _launch["depth"] == 0:
+            signum, _launch["pending"] = _launch["pending"], None
     if signum is not None:
         raise Stopped(signum)
 

@@ -48,6 +48,7 @@ HEARTBEAT_S = 2.0  # longest silence towards the coordinator: its lease (island_
 BACKGROUND_NICE = 10
 """OS priority offset of the transport threads: on cores that training keeps busy they
 run in its gaps (collective waits) instead of taking time slices from the inner step."""
+CLOSE_INTERRUPT_S = 5.0  # after close()'s deadline, how long requests still running are cut short
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -508,20 +509,14 @@ class FragmentSyncer:
         with self._lock:
             if frag.index in self._skipped and self._skipped[frag.index] is None:
                 self._skipped[frag.index] = step  # its first upload since the shift
-        if not ok and slot.sent_step is not None:
-            self.stats.skipped += 1
-            log.info(
-                "%s/%d fragment %d step %d: send skipped, upload at step %d kept (this rank: %s)",
-                self.island, self.rank, frag.index, step, slot.sent_step,
-                self._not_ready or "ready; another rank was not",
-            )  # fmt: skip
-            return
-        slot.sent_step = step
+        if ok or slot.sent_step is None:
+            slot.sent_step = step
         if not ok:  # decided by the whole island (on_step): the next send carries the progress
             self.stats.skipped += 1
             log.info(
-                "%s/%d fragment %d step %d: send skipped (this rank: %s)", self.island,
-                self.rank, frag.index, step, self._not_ready or "ready; another rank was not",
+                "%s/%d fragment %d step %d: send skipped, marked at step %d (this rank: %s)",
+                self.island, self.rank, frag.index, step, slot.sent_step,
+                self._not_ready or "ready; another rank was not",
             )  # fmt: skip
             return
         # No download writes this base now: the caller holds its lock, or it was applied
@@ -953,14 +948,17 @@ class FragmentSyncer:
         uploader, downloader = self._threads
         if uploader.is_alive():
             uploader.join(timeout=max(0.0, deadline - time.monotonic()))
-        while uploader.is_alive() and time.monotonic() < deadline + 5.0:  # a stalled upload
+        # Past the deadline, requests still running are cut short: a rank that returned
+        # with a live thread could not take the global model with the others.
+        cut_until = deadline + CLOSE_INTERRUPT_S
+        while uploader.is_alive() and time.monotonic() < cut_until:  # a stalled upload
             self.client.interrupt(uploader)
             uploader.join(timeout=0.05)
         # The downloader may be in a long poll (up to long_poll_s, at every island's exit
         # and restart): its connection is shut down to wake it, again until it is gone (it
         # may have been about to send one). A download cut short leaves its slot torn,
         # fetched again whole if ever needed.
-        while downloader.is_alive() and time.monotonic() < deadline + 5.0:
+        while downloader.is_alive() and time.monotonic() < cut_until:
             self.client.interrupt(downloader)
             downloader.join(timeout=0.05)
         with self._lock:
