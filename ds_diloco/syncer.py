@@ -147,7 +147,9 @@ class _Slot:
 
     @property
     def arrived(self) -> bool:
-        return self.version > self.applied and not self.refetch
+        # Older than the applied one: the coordinator came back with older state (restored
+        # from a backup); the island follows it, as a restarted learner does.
+        return self.version >= 0 and self.version != self.applied and not self.refetch
 
 
 @dataclasses.dataclass
@@ -553,9 +555,11 @@ class FragmentSyncer:
         ``blend``: a result at a step boundary (not the bootstrap's overwrite): blended
         with ``alpha``, or with ``keep_local_steps`` the steps since the upload are kept.
         """
-        keep = blend and slot.sent_values is not None
-        if blend and slot.sent_step is None:  # merged without this island: its steps are lost
+        back = slot.version < slot.applied  # the coordinator went back: overwrite, no blend
+        if blend and (slot.sent_step is None or back):  # merged without it: its steps are lost
             self.stats.steps_overwritten += slot.steps
+        blend = blend and not back
+        keep = blend and slot.sent_values is not None
         for name in frag.names:
             new = slot.base[name]
             if keep:  # global + what this rank trained since its upload (not in any merge)
@@ -740,8 +744,16 @@ class FragmentSyncer:
             for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
                 if self._stop.is_set():
                     break
-                if w is not None and (w < 0 or current[frag.index] > w):
-                    self._fetch(frag, slot, after=None if w < 0 else w)
+                if w is None or not (w < 0 or current[frag.index] != w):
+                    continue
+                if 0 <= current[frag.index] < w:  # older than ours: the coordinator went back
+                    log.warning(
+                        "%s/%d the coordinator holds version %d of fragment %d, older than "
+                        "this island's %d (its state was restored or lost?): taking it",
+                        self.island, self.rank, current[frag.index], frag.index, w,
+                    )  # fmt: skip
+                    w = -1
+                self._fetch(frag, slot, after=None if w < 0 else w)
 
     def _woken_by_close(self) -> bool:
         """In the downloader: close() has stopped it (a request it cut short is no failure)."""

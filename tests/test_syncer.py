@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import struct
 import threading
 import time
@@ -218,6 +219,49 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     assert time.perf_counter() - t0 < 1.0, "on_step must never wait for the network"
     wait_for(lambda: s.stats.failed >= 1)
     s.close(timeout=5)
+
+
+def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(
+    tiny_config_path, tmp_path
+):
+    # The coordinator comes back from a backup of its state dir, versions behind what the
+    # island applied: the island takes the coordinator's values (as a restarted learner
+    # does) and its uploads are merged again. Before, the older version never counted as
+    # "arrived", every send was skipped and the island never synced again, silently.
+    cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1)
+    srv = ServerThread(cfg)
+    try:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+        s.bootstrap()
+        train(s, range(1, 4))  # fragment 0 sent at step 2, merged, applied at step 3
+        assert srv.coord.versions() == [1, 0] == s.versions()
+        backup = tmp_path / "backup"
+        shutil.copytree(cfg.state_dir, backup)
+        old = {n: t.clone() for n, t in srv.coord.global_tensors().items()}
+        train(s, range(4, 12))
+        assert s.versions() == srv.coord.versions() == [3, 2]
+        srv.stop()
+        shutil.rmtree(cfg.state_dir)
+        shutil.copytree(backup, cfg.state_dir)
+        srv = ServerThread(dataclasses.replace(cfg, port=srv.port))
+        assert srv.coord.versions() == [1, 0]
+        step, local = 12, s.access.params
+        while s.versions() != [1, 0]:  # within a long poll and a turn of each fragment
+            assert step < 200, (s.versions(), s.stats)
+            before = s.versions()
+            train(s, range(step, step + 1), wait_results=False)
+            for frag in s.plan.fragments:  # applied just now: the backup's values, exactly
+                if s.versions()[frag.index] != before[frag.index]:
+                    assert all(torch.equal(local[n].detach(), old[n]) for n in frag.names)
+            step += 1
+            time.sleep(0.05)
+        train(s, range(step, step + 8))  # and it syncs again: both fragments merged twice
+        assert srv.coord.versions() == s.versions() == [3, 2]
+        s.close()
+        assert s.stats.refused >= 1  # an upload against version 3 ("from the future")
+    finally:
+        srv.stop()
 
 
 class _CorruptingProxy:
