@@ -221,9 +221,7 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     s.close(timeout=5)
 
 
-def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(
-    tiny_config_path, tmp_path
-):
+def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(tiny_config_path, tmp_path):
     # The coordinator comes back from a backup of its state dir, versions behind what the
     # island applied: the island takes the coordinator's values (as a restarted learner
     # does) and its uploads are merged again. Before, the older version never counted as
