@@ -169,12 +169,33 @@ def scenario_pretrained(spec, rank, world):
     return {"ids": ids, "logits": logits(engine, ids), "full": zero.gather_full_params(engine)}
 
 
+def scenario_no_token(spec, rank, world):
+    """The token variable is set on rank 0 only (as on a node whose environment lacks it):
+    every rank must raise, none may wait for the other in a collective."""
+    from ds_diloco.config import TOKEN_ENV
+    from ds_diloco.learner import Learner, LearnerError
+
+    engine = engine_for(spec, seed=0)
+    if rank == 0:
+        os.environ[TOKEN_ENV] = spec["token"]
+    else:
+        os.environ.pop(TOKEN_ENV, None)
+    try:
+        Learner(engine, spec["url"], "no-token", connect_timeout_s=10.0)
+    except LearnerError as e:
+        return {"error": str(e)}
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+    return {"error": None}
+
+
 SCENARIOS = {
     "minmax": scenario_minmax,
     "shards": scenario_shards,
     "write": scenario_write,
     "syncer": scenario_syncer,
     "pretrained": scenario_pretrained,
+    "no_token": scenario_no_token,
 }
 
 

@@ -135,7 +135,7 @@ def island(tmp_path_factory):
     )  # fmt: skip
     with ServerThread(cfg) as srv:
         spec = {
-            "scenarios": ["minmax", "shards", "write", "syncer", "pretrained"],
+            "scenarios": ["minmax", "shards", "write", "syncer", "pretrained", "no_token"],
             "pretrained": str(pretrained),
             "model_config": str(model_config),
             "deepspeed_config": str(DS_CONFIG),
@@ -318,3 +318,11 @@ print(add(torch.ones(2)).tolist(), square(torch.full((2,), 3.0)).tolist())
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["no inductor", "[2.0, 2.0] [9.0, 9.0]"], out.stdout
+
+
+def test_a_token_missing_on_one_rank_is_raised_on_every_rank(island):
+    # Before, the rank without DS_DILOCO_TOKEN raised alone and the other waited for it in
+    # the island's next collective (a hang of the whole island at start-up).
+    with_token, without = [r["error"] for r in island.both("no_token")]
+    assert without is not None and "DS_DILOCO_TOKEN" in without, without
+    assert with_token is not None and "on ranks [1]" in with_token, with_token
