@@ -14,6 +14,10 @@ held during heavy math; each fragment's outer optimizer state is guarded by a
 readers-writer lock that a merge takes for writing for its outer step and
 durable write. Served values are never written in place: a merge steps a copy
 and publishes it, so downloads read them without a lock and without a copy.
+
+A merge is all or nothing: one that fails (merge, outer step, durable write) leaves
+the fragment's values, outer state and version as they were, and its contributions
+go back into the round, which closes again after a backoff (``Coordinator.poll``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import collections
 import dataclasses
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -51,6 +54,12 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 VERSION_RESERVE = 16  # version numbers made durable per fsync of versions.json
 OPENED_AT_KEPT = 8  # round start times kept per fragment (a stale upload's lateness)
+MERGE_RETRY_S = 1.0  # wait after a failed merge, doubled per failure in a row...
+MERGE_RETRY_MAX_S = 30.0  # ...up to this
+MERGE_ATTEMPTS = 5
+"""Failed merges a contribution goes through before it is dropped: a failure that
+persists (a contribution that always breaks the merge, a full disk) then costs those
+steps, not every later round of the fragment."""
 
 
 class CoordinatorError(Exception):
@@ -105,8 +114,11 @@ class _Contribution:
     steps: int
     row: int
     sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
+    incarnation: int = 1
     ranks: set[int] = dataclasses.field(default_factory=set)
     complete_at: float | None = None
+    failed: int = 0
+    """Failed merges it was in (it went back into the round after each)."""
 
     def counters(self) -> tuple[int, int, int, int]:
         return (self.world_size, self.base_version, self.tokens, self.steps)
@@ -240,6 +252,10 @@ class _FragmentState:
         self.complete: dict[str, _Contribution] = {}
         self.merging = False
         self.merges = 0
+        self.merge_failures = 0
+        self.failures_in_a_row = 0
+        self.retry_at: float | None = None  # no merge before (clock time), after a failure
+        self.last_failure: dict = {}
         self.saved_version = -1
         self.last_merge: dict = {}
         self.grad = torch.empty(fragment.numel)
@@ -305,6 +321,9 @@ class Coordinator:
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
         self._table_lock = threading.Lock()
+        # Buffers of the largest fragment's size that merges borrow to copy the outer
+        # state they may have to put back: as many as merges run at once, not one per fragment.
+        self._scratch: list[torch.Tensor] = []
         self.metrics = RunMetrics(cfg.uptime_window_s)
         if self.store.exists():
             self._load()
@@ -651,6 +670,7 @@ class Coordinator:
                     steps=h.steps,
                     row=fs.take_row(),
                     sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
+                    incarnation=h.incarnation,
                 )
                 fs.assembling[h.island] = cur
             row = fs.rows[cur.row]
@@ -866,17 +886,31 @@ class Coordinator:
 
     def _decide(self, index: int, now: float) -> Decision:
         """:meth:`decide` with ``_lock`` held."""
-        if self._frags[index].merging:
+        held = self._held(self._frags[index], now)
+        return held or decide(now, self.round_state(index, now), self.cfg.policy)
+
+    @staticmethod
+    def _held(fs: _FragmentState, now: float) -> Decision | None:
+        """Why ``fs``'s round may not close now, whatever the policy says; None: it may."""
+        if fs.merging:
             return Decision(False, None, "merge in progress")
-        return decide(now, self.round_state(index, now), self.cfg.policy)
+        if fs.retry_at is not None and now < fs.retry_at:
+            return Decision(False, fs.retry_at,
+                            f"backing off after {fs.failures_in_a_row} failed merge(s) in a row")  # fmt: skip
+        return None
 
     def poll(self, index: int) -> Decision:
-        """Merge fragment ``index`` if its round should close now; returns the decision."""
+        """Merge fragment ``index`` if its round should close now; returns the decision.
+
+        A merge that fails changes nothing (see :meth:`_merge`): its contributions go
+        back into the round, which may close again after a backoff (:meth:`_merge_failed`);
+        the decision returned then says so."""
         fs = self._frags[index]
         now = self.clock()
         with self._lock:
-            if fs.merging:
-                return Decision(False, None, "merge in progress")
+            held = self._held(fs, now)
+            if held is not None:
+                return held
             state = self.round_state(index, now)
             decision = decide(now, state, self.cfg.policy)
             if not decision.merge:
@@ -885,16 +919,74 @@ class Coordinator:
             fs.complete.clear()
             fs.merging = True
             version = fs.version
+        error = None
         try:
             self._merge(fs, contribs, version, state, decision, now)
+        except Exception as e:  # taken in below: the round loop must not retry it at once
+            if fs.version != version:  # served: taking the contributions again would apply
+                raise  # them twice (a bug in the bookkeeping after the publish)
+            error = e
         finally:
             with self._lock:
                 fs.merging = False
-                for c in contribs:
-                    fs.give_row(c.row)
-        if self._merges_since_save >= self.cfg.save_every_merges:
+                if error is None:
+                    fs.failures_in_a_row, fs.retry_at = 0, None
+                    for c in contribs:
+                        fs.give_row(c.row)
+                else:
+                    decision = self._merge_failed(fs, contribs, version, error)
+        if error is None and self._merges_since_save >= self.cfg.save_every_merges:
             self.save()
         return decision
+
+    def _merge_failed(self, fs, contribs, version: int, error: Exception) -> Decision:
+        """Count a failed merge, put its contributions back into the round and hold the
+        round for a backoff (with ``_lock`` held). Back: what the merge would have
+        taken had it come now. Dropped: a contribution in ``MERGE_ATTEMPTS`` failed
+        merges, and one whose island left, registered again or sent a newer one meanwhile."""
+        index = fs.fragment.index
+        fs.merge_failures += 1
+        fs.failures_in_a_row += 1
+        backoff = min(MERGE_RETRY_S * 2 ** (fs.failures_in_a_row - 1), MERGE_RETRY_MAX_S)
+        fs.retry_at = self.clock() + backoff
+        back, given_up = [], []
+        for c in contribs:
+            c.failed += 1
+            isl = self._islands.get(c.island)
+            if (
+                isl is None
+                or isl.left_at is not None
+                or isl.registrations != c.incarnation
+                or c.island in fs.complete  # its newer one came meanwhile, and replaces it
+                or self._weight(c, version)[0] == 0  # weighed out (counted by _merge)
+            ):  # dropped as if it had been waiting in the round
+                fs.give_row(c.row)
+                self._count_dropped(fs, c)
+            elif c.failed >= MERGE_ATTEMPTS:
+                fs.give_row(c.row)
+                self._count_dropped(fs, c)
+                given_up.append(f"{c.island} step {c.step}")
+            else:
+                fs.complete[c.island] = c
+                back.append(c.island)
+        why = f"{type(error).__name__}: {error}"
+        log.error("fragment %d: merge to v%d of %s failed (%d in a row), nothing changed; "
+                  "%s back in the round, next try in %.0f s", index, version + 1,
+                  ",".join(sorted(c.island for c in contribs)), fs.failures_in_a_row,
+                  ",".join(sorted(back)) or "none", backoff, exc_info=error)  # fmt: skip
+        if given_up:
+            log.error("fragment %d: dropped after %d failed merges: %s", index, MERGE_ATTEMPTS,
+                      ", ".join(sorted(given_up)))  # fmt: skip
+        fs.last_failure = {
+            "version": version + 1,
+            "error": why,
+            "in_a_row": fs.failures_in_a_row,
+            "islands": sorted(c.island for c in contribs),
+            "back": sorted(back),
+            "dropped": sorted(given_up),
+            "backoff_s": backoff,
+        }
+        return Decision(False, fs.retry_at, f"merge failed ({why}); next try in {backoff:.0f} s")
 
     def _merge(self, fs, contribs, version, state: RoundState, decision: Decision, now) -> None:
         t0 = time.perf_counter()
@@ -921,16 +1013,23 @@ class Coordinator:
         counted = [c for c in contribs if weights[c.row] > 0]
         merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
         values = fs.copy_values()  # the served values stay as they are for the downloads
+        before, lent = self._copy_outer_state(fs)  # the step writes the momentum in place
         fs.lock.acquire_write()
         try:
-            fs.optimizer.step(values, grad)
-            if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
-                self._make_durable(fs, values, version + 1)
-            else:
-                self._reserve(fs.fragment.index, version + 1)
+            try:
+                fs.optimizer.step(values, grad)
+                if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
+                    self._make_durable(fs, values, version + 1)
+                else:
+                    self._reserve(fs.fragment.index, version + 1)
+            except BaseException:  # all or nothing: the outer state as before, nothing served
+                fs.optimizer.load_state_dict(before)  # (copies: the lent buffers go back)
+                fs._recycle(values)
+                raise
             fs.publish(version + 1, values)
         finally:
             fs.lock.release_write()
+            self._scratch.extend(lent)
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
@@ -979,21 +1078,38 @@ class Coordinator:
             sync,
         )
 
+    def _copy_outer_state(self, fs: _FragmentState) -> tuple[dict, list[torch.Tensor]]:
+        """A copy of ``fs``'s outer optimizer state, for a failed merge to put back, in
+        borrowed scratch buffers (no new pages per merge); and the buffers, to give back."""
+        state, lent = {}, []
+        for k, v in fs.optimizer.state_dict(False).items():
+            if v.dim() == 0:  # counters
+                state[k] = v.clone()
+                continue
+            try:
+                buf = self._scratch.pop()
+            except IndexError:
+                buf = torch.empty(max(f.fragment.numel for f in self._frags), dtype=torch.float32)
+            lent.append(buf)
+            state[k] = buf[: v.numel()].copy_(v)  # 1-D fp32, as every outer state vector
+        return state, lent
+
     def _make_durable(self, fs: _FragmentState, values: torch.Tensor, version: int) -> None:
         """Write the merged fragment (values + outer optimizer state) before it is served.
 
         A version is acknowledged once an island can see it; with this, every
-        acknowledged merge survives a crash. A failed write stops the process
-        (fail-stop): the values in memory are ahead of the disk and must not be
-        served; a restart resumes from the last durable version.
+        acknowledged merge survives a crash. A failed write fails the merge, which
+        then serves nothing and puts the outer state back (:meth:`_merge`): memory
+        never runs ahead of the disk, and the round is tried again.
         """
         try:
             self.store.write_fragment(  # under the write lock: nothing changes while it writes
                 fs.fragment.index, version, values, fs.optimizer.state_dict(False)
             )
-        except OSError as e:
-            log.critical("fragment %d v%d not durable: %s; stopping", fs.fragment.index, version, e)
-            os._exit(70)
+        except BaseException:
+            # The file may hold this unserved attempt: the next save writes the served state.
+            fs.saved_version = -1
+            raise
         fs.saved_version = version
 
     def _reserve(self, index: int, version: int) -> None:
@@ -1006,10 +1122,10 @@ class Coordinator:
         with self._versions_lock:
             if version <= self._reserved[index]:
                 return
-            self._reserved[index] = version + VERSION_RESERVE - 1
-            self.store.write_json(
-                "versions.json", {str(i): v for i, v in enumerate(self._reserved)}
-            )
+            reserved = list(self._reserved)
+            reserved[index] = version + VERSION_RESERVE - 1
+            self.store.write_json("versions.json", {str(i): v for i, v in enumerate(reserved)})
+            self._reserved = reserved  # only once durable: a failed write reserved nothing
 
     def schedule(self, wait: bool = True) -> tuple[list[int], float | None] | None:
         """The fragments whose round should close now, and the earliest time another
@@ -1052,6 +1168,7 @@ class Coordinator:
             return {
                 "versions": self.versions(),
                 "merges": [fs.merges for fs in self._frags],
+                "merge_failures": [fs.merge_failures for fs in self._frags],
                 "num_fragments": len(self._frags),
                 "signature": self.plan.signature,
                 "islands": {
@@ -1081,6 +1198,9 @@ class Coordinator:
                 },
                 "last_merge": {
                     str(i): fs.last_merge for i, fs in enumerate(self._frags) if fs.last_merge
+                },
+                "last_merge_failure": {
+                    str(i): fs.last_failure for i, fs in enumerate(self._frags) if fs.last_failure
                 },
                 "xi_quorum_s": self._xi_quorum.value,
                 "xi_sync_s": self._xi_sync.value,

@@ -123,6 +123,10 @@ def prometheus_text(status: dict[str, Any]) -> str:
            [({"fragment": i}, status["versions"][i]) for i in frags])  # fmt: skip
     metric("fragment_merges_total", "counter", "Merges of each fragment.",
            [({"fragment": i}, status["merges"][i]) for i in frags])  # fmt: skip
+    failures = status.get("merge_failures", [])
+    metric("fragment_merge_failures_total", "counter",
+           "Merges of each fragment that failed and changed nothing (contributions kept).",
+           [({"fragment": i}, failures[i]) for i in frags if i < len(failures)])  # fmt: skip
     last = status.get("last_merge", {})
     metric("fragment_pseudo_gradient_norm", "gauge",
            "L2 norm of the pseudo-gradient the fragment's last merge applied.",

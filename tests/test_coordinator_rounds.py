@@ -577,3 +577,127 @@ def test_norm_guard_drops_a_pseudo_gradient_far_above_the_fragments_recent_ones(
         send(plain, "a", 0, step=2 + 2 * i)
         plain.poll(0)
     assert send(plain, "a", 0, step=20, scale=1.0)["status"] == "accepted"
+
+
+def _upload_whole(coord, island, fragment, step, full, *, tokens, steps):
+    """One rank-0-of-1 upload of ``full`` (name -> tensor) against the current version."""
+    frag = coord.plan.fragments[fragment]
+    header = wire.UploadHeader(
+        island=island, rank=0, world_size=1, fragment=fragment,
+        base_version=coord.versions()[fragment], step=step, tokens=tokens, steps=steps,
+    )  # fmt: skip
+    return coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
+
+
+def test_a_failed_merge_changes_nothing_and_its_contributions_merge_next_round(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    from ds_diloco import coordinator as coordinator_mod
+    from ds_diloco.merge import is_plain_tensor, merge_reference
+
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy)
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    send(coord, "a", 0, step=2, scale=1e-2)  # a first merge: the outer momentum is not zero
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    fs, frag = coord._frags[0], coord.plan.fragments[0]
+    before, momentum = coord.global_tensors(), fs.optimizer.state_dict()
+    real_step, calls = fs.optimizer.step, []
+
+    def step_then_fail(param, grad):  # fails once the momentum and the values are written
+        real_step(param, grad)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected outer step failure")
+
+    monkeypatch.setattr(fs.optimizer, "step", step_then_fail)
+    g = torch.Generator().manual_seed(7)
+    da = {p.name: torch.randn(p.shape, generator=g) * 1e-2 for p in frag.params}
+    db = {p.name: torch.randn(p.shape, generator=g) * 1e-2 for p in frag.params}
+    assert _upload_whole(coord, "a", 0, 4, da, tokens=100, steps=2)["status"] == "accepted"
+    d = coord.poll(0)
+    assert not d.merge and "injected outer step failure" in d.reason, d.reason
+    assert d.wait_until == clock.now + coordinator_mod.MERGE_RETRY_S  # no tight retry loop
+    # Nothing changed: version, served values, outer momentum (the step wrote it in place).
+    assert coord.versions() == [1, 0]
+    assert all(torch.equal(t, before[n]) for n, t in coord.global_tensors().items())
+    now = fs.optimizer.state_dict()
+    assert now.keys() == momentum.keys() and all(torch.equal(now[k], momentum[k]) for k in now)
+    st = coord.status()
+    assert st["merge_failures"] == [1, 0]
+    assert st["last_merge_failure"]["0"]["back"] == ["a"]
+    assert st["pending"]["0"]["complete"] == ["a"]  # kept for the next attempt
+    assert st["islands"]["a"]["dropped"] == 0 and st["islands"]["a"]["merged"] == 1
+    # A new contribution joins the kept one; the round waits out the backoff first.
+    assert _upload_whole(coord, "b", 0, 4, db, tokens=300, steps=4)["status"] == "accepted"
+    assert not coord.poll(0).merge and coord.versions() == [1, 0]
+    clock.now = d.wait_until
+    d = coord.poll(0)
+    assert d.merge and coord.versions() == [2, 0], d.reason
+    assert coord.status()["last_merge"]["0"]["islands"] == ["a", "b"]
+    # Expected, independently: the oracle merge of a and b, then Nesterov (lr 0.7, momentum
+    # 0.9) from the values and momentum from before the failed attempt, in float64.
+    lr, mu = coord.cfg.outer.lr, coord.cfg.outer.momentum
+    merged = merge_reference(
+        [da, db], [100**2 / 2, 300**2 / 4], lambda n: is_plain_tensor(n, coord.cfg.plain_patterns)
+    )
+    got = coord.global_tensors()
+    buf0 = momentum["momentum_buffer"].double()
+    for p, off in zip(frag.params, frag.offsets):
+        grad = merged[p.name].reshape(-1)
+        buf = mu * buf0[off : off + p.numel] + grad
+        want = before[p.name].double().reshape(-1) - lr * (grad + mu * buf)
+        assert torch.allclose(got[p.name].double().reshape(-1), want, rtol=1e-5, atol=1e-7), p.name
+    st = coord.status()
+    assert st["merge_failures"] == [1, 0] and st["pending"] == {}
+    assert {k: (v["merged"], v["dropped"]) for k, v in st["islands"].items()} == {
+        "a": (2, 0),
+        "b": (1, 0),
+    }
+
+
+def test_a_merge_failing_again_and_again_backs_off_then_drops_its_contributions(
+    tiny_config_path, tmp_path
+):
+    import errno
+
+    from ds_diloco import coordinator as coordinator_mod
+
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, durable_merges=False)
+    coord.register("a", 1, coord.plan.signature)
+    before = coord.global_tensors()
+    real_write, disk_full = coord.store.write_json, [True]
+
+    def write_json(name, obj):  # the version reservation is what the disk refuses
+        if name == "versions.json" and disk_full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(name, obj)
+
+    coord.store.write_json = write_json
+    send(coord, "a", 0, step=2)
+    waits = []
+    for attempt in range(1, coordinator_mod.MERGE_ATTEMPTS + 1):
+        d = coord.poll(0)
+        assert not d.merge and "No space left" in d.reason, (attempt, d.reason)
+        assert coord.versions() == [0, 0], "a version must not be served unreserved"
+        assert not coord.poll(0).merge  # at once again: held
+        waits.append(d.wait_until - clock.now)
+        clock.now = d.wait_until
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0]  # doubling, never a tight loop
+    st = coord.status()
+    assert st["merge_failures"] == [coordinator_mod.MERGE_ATTEMPTS, 0]
+    assert st["last_merge_failure"]["0"]["dropped"] == ["a step 2"]
+    assert st["pending"] == {} and st["islands"]["a"]["dropped"] == 1  # given up: counted
+    assert all(torch.equal(t, before[n]) for n, t in coord.global_tensors().items())
+    disk_full[0] = False
+    send(coord, "a", 0, step=4)
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    assert coord.store.read_json("versions.json")["0"] >= 1  # reserved on disk before served
+    st = coord.status()
+    assert st["islands"]["a"]["merged"] == 1 and st["islands"]["a"]["dropped"] == 1
+    d = coord.decide(0)
+    assert "backing off" not in d.reason  # a merge that works ends the backoff

@@ -339,6 +339,53 @@ def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp
         srv.stop()
 
 
+def test_a_merge_whose_durable_write_fails_is_retried_by_the_round_loop(tiny_config_path, tmp_path):
+    # A full disk during a merge's durable write stopped the coordinator (exit 70), and
+    # before that a failed merge lost the contributions it had taken: accepted, never merged.
+    import errno
+
+    cfg = make_cfg(
+        tiny_config_path, tmp_path / "s", policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    )
+    srv = ServerThread(cfg)
+    try:
+        store, failed = srv.coord.store, []
+        real_write = store.write_fragment
+
+        def write_fragment(index, version, values, optim_state):
+            if not failed:  # the first merge's write: the disk is full, once
+                failed.append((index, version))
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real_write(index, version, values, optim_state)
+
+        store.write_fragment = write_fragment
+        client = client_for(srv)
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        client.register("a", 1, plan.signature)
+        theta = srv.coord.global_tensors()
+        delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
+        upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
+        wait_versions(client, [1, 1, 1, 1])  # the failed fragment too, after the backoff
+        (index, version), status = failed[0], client.status()
+        assert version == 1
+        assert status["merge_failures"] == [int(i == index) for i in range(4)]
+        assert (
+            f'ds_diloco_fragment_merge_failures_total{{fragment="{index}"}} 1' in client.metrics()
+        )
+        failure = status["last_merge_failure"][str(index)]
+        assert "No space left" in failure["error"] and failure["back"] == ["a"]
+        assert status["islands"]["a"]["merged"] == 4 and status["islands"]["a"]["dropped"] == 0
+        # Every fragment took one outer step from theta with a's pseudo-gradient: the failed
+        # attempt left no trace (a momentum stepped twice would show here).
+        expected = reference_outer_step(theta, [delta], [100**2 / 4], {}, set())
+        got = srv.coord.global_tensors()
+        for n in theta:
+            assert torch.allclose(got[n], expected[n], atol=1e-6, rtol=1e-5), n
+        assert store.read_fragment(index)[0] == 1  # and on disk
+    finally:
+        srv.stop()
+
+
 def test_discount_policy_merges_stale_contribution_with_less_weight(tiny_config_path, tmp_path):
     cfg = make_cfg(
         tiny_config_path,

@@ -41,6 +41,7 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     status = {
         "versions": [3, 5],
         "merges": [3, 5],
+        "merge_failures": [0, 2],
         "islands": {
             'is"land': {"live": True, "registrations": 2, "last_step": 40, "step_time_s": 0.25,
                         "merged": 7, "dropped": 1, "tokens_merged": 700, "steps_merged": 30},
@@ -56,6 +57,7 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     bad = [ln for ln in samples if not LINE.match(ln)]
     assert not bad, bad
     assert 'ds_diloco_fragment_version{fragment="1"} 5' in samples
+    assert 'ds_diloco_fragment_merge_failures_total{fragment="1"} 2' in samples
     assert 'ds_diloco_island_registrations_total{island="is\\"land"} 2' in samples
     assert "ds_diloco_goodput 0.75" in samples and "ds_diloco_live_islands 1" in samples
     assert 'ds_diloco_merges_by_quorum_total{contributors="2"} 4' in samples
