@@ -936,7 +936,11 @@ class Coordinator:
                 else:
                     decision = self._merge_failed(fs, contribs, version, error)
         if error is None and self._merges_since_save >= self.cfg.save_every_merges:
-            self.save()
+            try:  # the merge is done and served: a failed save is not a failed merge
+                self.save()
+            except Exception:  # the counter is not reset: the next merge tries again
+                log.exception("fragment %d merged to v%d, but the periodic save failed",
+                              index, version + 1)  # fmt: skip
         return decision
 
     def _merge_failed(self, fs, contribs, version: int, error: Exception) -> Decision:

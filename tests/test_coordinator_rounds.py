@@ -701,3 +701,26 @@ def test_a_merge_failing_again_and_again_backs_off_then_drops_its_contributions(
     assert st["islands"]["a"]["merged"] == 1 and st["islands"]["a"]["dropped"] == 1
     d = coord.decide(0)
     assert "backing off" not in d.reason  # a merge that works ends the backoff
+
+
+def test_a_failed_periodic_save_after_a_merge_is_not_a_failed_merge(tiny_config_path, tmp_path):
+    # The merge is served when the periodic save runs: its failure is logged, the merge
+    # stands (no failure counted, no exception for the round loop to log as a failed
+    # merge), and the next merge saves again.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, save_every_merges=1)
+    coord.register("a", 1, coord.plan.signature)
+    real, calls = coord._save_table, []
+
+    def fail_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        real()
+
+    coord._save_table = fail_once
+    send(coord, "a", 0, step=2, scale=1e-2)
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    assert coord.status()["merge_failures"] == [0, 0] and calls == [1]
+    send(coord, "a", 1, step=4, scale=1e-2)
+    assert coord.poll(1).merge and coord.versions() == [1, 1] and calls == [1, 1]
