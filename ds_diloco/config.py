@@ -444,7 +444,10 @@ class RunConfig:
     """A Hugging Face Hub repo the final export (with the run's model card) and each periodic
     export are pushed to, one commit each; the token is checked before the run starts."""
     max_restarts: int = 5
-    """An island whose rank dies is torn down and restarted at most this many times."""
+    """An island whose rank dies is torn down and restarted at most this many times (then
+    given up; the run goes on without it); a coordinator that dies, too (then the run stops
+    with an error naming its log). Faults a chaos schedule injects on purpose into the
+    coordinator do not count."""
     restart_backoff_s: float = 1.0
     """Wait before the first restart; doubles per restart of the same process, up to 30 s."""
 

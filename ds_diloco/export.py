@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -282,22 +283,58 @@ def replacing_folder(out: str | os.PathLike) -> Iterator[Path]:
     takes ``out``'s place (two renames), so no file of an earlier export survives: an
     old model.safetensors next to a new sharded index would be what from_pretrained
     loads, an old chat template what the tokenizer applies. On failure ``out`` is left
-    as it was."""
+    as it was, and the folder is removed."""
     out = check_out_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
+    _remove_dead_exports(out)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells a dead export's folder
     tmp = out.with_name(f".{out.name}.new-{tag}")
     tmp.mkdir()
     try:
         yield tmp
+        _put_in_place(tmp, out, out.with_name(f".{out.name}.old-{tag}"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = out.with_name(f".{out.name}.old-{tag}")
+
+
+def _put_in_place(new: Path, out: Path, old: Path) -> None:
+    """``new`` renamed to ``out``, an earlier ``out`` moved aside to ``old`` and removed; if
+    the second rename fails, the earlier ``out`` is moved back."""
     if out.exists():
         out.rename(old)
-    tmp.rename(out)
+    try:
+        new.rename(out)
+    except BaseException:
+        if old.exists():
+            old.rename(out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_dead_exports(out: Path) -> None:
+    """Remove the folders that exports to ``out`` were writing when their process died
+    (SIGKILL, out of memory, a crash of the machine): left beside ``out``, a model's worth
+    each, for ever. Only ``.<name>.new-<pid>-<hex>`` folders whose pid is no live process
+    here, and ``.<name>.new-<hex>`` ones (named so before the pid was added)."""
+    ours = re.compile(rf"\.{re.escape(out.name)}\.new-(?:(\d+)-)?[0-9a-f]{{8}}")
+    for path in out.parent.iterdir():
+        m = ours.fullmatch(path.name)
+        if m and path.is_dir() and not path.is_symlink() and not _alive(m[1]):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: str | None) -> bool:
+    """Whether ``pid`` is a live process on this machine (None, no pid: an older export's)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:  # another user's
+        return True
+    except (ProcessLookupError, OverflowError):  # none; no pid is that large
+        return False
+    return True
 
 
 def export_model(

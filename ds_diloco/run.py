@@ -53,7 +53,8 @@ MAX_BACKOFF_S = 30.0
 
 
 class CoordinatorStartError(RuntimeError):
-    """The run's coordinator exited, or did not answer, before it served."""
+    """The run's coordinator exited, or did not answer, before it served; or it died more
+    than ``max_restarts`` times and is not started again."""
 
 
 def free_port() -> int:
@@ -136,6 +137,8 @@ class LocalRun:
         self.given_up: set[str] = set()
         self.superseded: set[str] = set()  # of given_up: a later launch of the island took over
         self.coordinator_restarts = 0
+        self._coordinator_deaths = 0  # exits not caused on purpose: max_restarts counts these
+        self._coordinator_restart_at: float | None = None
         self.coordinator_hold_until = 0.0  # chaos: keep a killed coordinator down until then
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
@@ -166,7 +169,7 @@ class LocalRun:
         log = (self.workdir / "coordinator.log").open("a")
         log.write(f"--- coordinator started {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         log.flush()
-        with _recorded():
+        with stop_deferred():
             self.coordinator = subprocess.Popen(
                 [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(path)],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -182,10 +185,9 @@ class LocalRun:
         while time.monotonic() < deadline:
             if self.coordinator.poll() is not None:
                 log = self.workdir / "coordinator.log"
-                lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
                 raise CoordinatorStartError(
                     f"the coordinator exited with code {self.coordinator.returncode} before "
-                    f"it answered: {lines[-1] if lines else '(no output)'} (log: {log})"
+                    f"it answered: {_last_line(log)} (log: {log})"
                 )
             try:
                 client.health()
@@ -227,7 +229,7 @@ class LocalRun:
         port = spec.master_port or free_port()
         cmd = [*launcher_cmd(spec, port), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
-        with _recorded(), (d / "log.txt").open("a") as log:  # restarts append to the same log
+        with stop_deferred(), (d / "log.txt").open("a") as log:  # restarts append to the same log
             proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -264,7 +266,7 @@ class LocalRun:
 
     def supervise(self) -> None:
         """Restart what died: an island whose launcher exited non-zero (a ZeRO-3 island cannot
-        go on without a rank), after a bounded backoff, and a coordinator that exited."""
+        go on without a rank), and a coordinator that exited, each after a bounded backoff."""
         now = time.monotonic()
         for name, proc in list(self.islands.items()):
             _group_done(proc)  # noted as soon as seen: its pid may be anyone's later
@@ -289,14 +291,42 @@ class LocalRun:
                 self.event("island given up", island=name, exit=rc, restarts=n)
                 continue
             self.restarts[name] = n + 1
-            delay = min(self.cfg.restart_backoff_s * 2**n, MAX_BACKOFF_S)
+            delay = self._backoff(n)
             self._restart_at[name] = now + delay
             self.event("island died", island=name, exit=rc, restart_in_s=delay)
+        self._supervise_coordinator(now)
+
+    def _backoff(self, restarts: int) -> float:
+        """The wait before restarting a process restarted ``restarts`` times already."""
+        return min(self.cfg.restart_backoff_s * 2**restarts, MAX_BACKOFF_S)
+
+    def _supervise_coordinator(self, now: float) -> None:
+        """Restart a coordinator that exited as an island is (``max_restarts``, ``_backoff``),
+        and not before ``coordinator_hold_until``; past ``max_restarts`` the run stops
+        (restarted at once and without end, a coordinator that crashed whenever it served
+        kept the run going round that loop)."""
         c = self.coordinator
-        down = c is not None and c.poll() is not None and not self._stopping
-        if down and now >= self.coordinator_hold_until:
-            self.event("coordinator died", exit=c.returncode)
+        if c is None or self._stopping or c.poll() is None:
+            return
+        _group_done(c)  # noted as soon as seen: its pid may be anyone's later
+        if self._coordinator_restart_at is None:  # newly dead
+            delay = 0.0
+            if now >= self.coordinator_hold_until:  # not killed on purpose (chaos): a death
+                n = self._coordinator_deaths
+                if n >= self.cfg.max_restarts:
+                    self.event("coordinator given up", exit=c.returncode, restarts=n)
+                    log = self.workdir / "coordinator.log"
+                    raise CoordinatorStartError(
+                        f"the coordinator died {n + 1} times, more than max_restarts "
+                        f"({self.cfg.max_restarts}) allows; the last time with exit status "
+                        f"{c.returncode} (log: {log}, last line: {_last_line(log)})"
+                    )
+                self._coordinator_deaths, delay = n + 1, self._backoff(n)
             self.coordinator_restarts += 1
+            self._coordinator_restart_at = now + delay
+            self.event("coordinator died", exit=c.returncode, restart_in_s=delay)
+        if now >= max(self._coordinator_restart_at, self.coordinator_hold_until):
+            self._coordinator_restart_at = None
             self.start_coordinator()
             self.event("coordinator restarted", restart=self.coordinator_restarts)
 
@@ -313,16 +343,18 @@ class LocalRun:
         return {n: self.islands[n].returncode for n in sorted(self.given_up)}
 
     def stop(self) -> None:
-        """Islands first (their process groups), then the coordinator, which saves."""
-        self._stopping = True
-        self._restart_at.clear()
-        for p in self.islands.values():
-            _signal_group(p, signal.SIGTERM)
-        for p in self.islands.values():
-            _wait(p, 30)
-        if self.coordinator is not None:
-            _signal_group(self.coordinator, signal.SIGTERM)
-            _wait(self.coordinator, 60)
+        """Islands first (their process groups), then the coordinator, which saves. A stop
+        signal that comes meanwhile is raised once all are stopped (``stop_deferred``)."""
+        with stop_deferred():
+            self._stopping = True
+            self._restart_at.clear()
+            for p in self.islands.values():
+                _signal_group(p, signal.SIGTERM)
+            for p in self.islands.values():
+                _wait(p, 30)
+            if self.coordinator is not None:
+                _signal_group(self.coordinator, signal.SIGTERM)
+                _wait(self.coordinator, 60)
 
     # ------------------------------------------------------------- progress
     def island_records(self) -> dict[str, dict]:
@@ -383,8 +415,8 @@ def stop_on_signals():
             print(f"{signal.Signals(signum).name}: already stopping", flush=True)
             return
         stopping = True
-        if _launch["depth"]:  # raised inside Popen, the new process would go unrecorded
-            _launch["pending"] = signum
+        if _deferred["depth"]:  # see stop_deferred
+            _deferred["pending"] = signum
             return
         raise Stopped(signum)
 
@@ -396,25 +428,27 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
-_launch = {"depth": 0, "pending": None}
-"""A process being started and recorded (``_recorded``); a stop signal that came meanwhile."""
+_deferred = {"depth": 0, "pending": None}
+"""Blocks inside ``stop_deferred``; a stop signal that came meanwhile."""
 
 
 @contextlib.contextmanager
-def _recorded():
-    """Start a process and record it before a stop signal is acted on. Raised between
-    fork and ``Popen`` returning, a :class:`Stopped` left the new launcher running, never
-    recorded, so ``stop`` did not stop it (60 of 150 signals timed into a start here)."""
-    _launch["depth"] += 1
+def stop_deferred():
+    """Inside, a stop signal (``stop_on_signals``) is acted on, :class:`Stopped` raised, only
+    once the block is done, even if it failed. For starting a process and recording it:
+    raised between fork and ``Popen`` returning, a Stopped left the new launcher running,
+    never recorded, so ``stop`` did not stop it (60 of 150 signals timed into a start here).
+    For stopping: raised mid-stop, it left the processes not yet stopped running."""
+    _deferred["depth"] += 1
     try:
         yield
     finally:
-        _launch["depth"] -= 1
+        _deferred["depth"] -= 1
         signum = None
-        if _launch["depth"] == 0:
-            signum, _launch["pending"] = _launch["pending"], None
-    if signum is not None:
-        raise Stopped(signum)
+        if _deferred["depth"] == 0:
+            signum, _deferred["pending"] = _deferred["pending"], None
+        if signum is not None:
+            raise Stopped(signum)
 
 
 def _status_or_none(client: CoordinatorClient) -> dict | None:
@@ -569,6 +603,12 @@ def _wait(p: subprocess.Popen, timeout: float) -> None:
     p.group_done = True
 
 
+def _last_line(log: Path) -> str:
+    """The last line of a process's log, as the reason it exited."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return lines[-1] if lines else "(no output)"
+
+
 def _json_or_none(text: str):
     """A JSON document, or None for a torn one (a crash mid-write, a full disk)."""
     try:
@@ -713,7 +753,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
     t0 = time.monotonic()
-    code, final_status = 0, None
+    code, final_status, stopped_by = 0, None, None
     with stop_on_signals():
         try:
             lr.spawn_coordinator()  # it starts up while the data is prepared
@@ -725,20 +765,21 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             code, final_status = _drive(cfg, lr, point)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
-            code = e.exit_code
+            code, stopped_by = e.exit_code, str(e)
         finally:
             try:
                 lr.stop()
-            except Stopped as e:  # came while a finished run stopped: finish the stop
-                print(f"\ninterrupted ({e}) while stopping: finishing the stop ...", flush=True)
-                code = e.exit_code
-                lr.stop()
+            except Stopped as e:  # came while a finished run stopped; the stop is done
+                print(f"\ninterrupted ({e}) while stopping", flush=True)
+                code, stopped_by = e.exit_code, str(e)
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
                "startup": lr.startup}  # fmt: skip
     if point is not None:
         summary["resumed_from"] = point
+    if stopped_by:
+        summary["stopped_by"] = stopped_by
     if code < 128 and final_status is not None:  # not stopped by a signal
         summary["goodput"] = final_status["run"]["goodput"]
         summary["uptime"] = final_status["run"]["uptime"]
@@ -787,7 +828,8 @@ def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
 
 def _print_summary(s: dict) -> None:
     toks = sum(i.get("tokens", 0) for i in s["islands"].values())
-    print(f"\nrun finished in {s['wall_s']} s: {toks} tokens over {len(s['islands'])} islands; "
+    how = f"stopped by {s['stopped_by']} after" if "stopped_by" in s else "finished in"
+    print(f"\nrun {how} {s['wall_s']} s: {toks} tokens over {len(s['islands'])} islands; "
           f"merges per fragment {s['merges']}")  # fmt: skip
     for name, i in s["islands"].items():
         print(f"  {name}: {i['steps']} steps, {i['tokens']} tokens, sync time {i['sync_s']} s "

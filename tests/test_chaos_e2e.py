@@ -8,12 +8,20 @@ and restarted; the run must survive all of it with its guarantees intact.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
+import pytest
+
+from ds_diloco import run as run_mod
+from ds_diloco.chaos import harness
 from ds_diloco.chaos.harness import run_diloco
 from ds_diloco.chaos.schedule import Event, Schedule
 from ds_diloco.config import load_run_config
 from ds_diloco.data import heldout_split, prepare_corpus
+from ds_diloco.run import LocalRun
 
 REPO = Path(__file__).resolve().parents[1]
 KILL_AT, STALL_AT, STALL_S, COORD_AT = 8.0, 14.0, 4.0, 22.0
@@ -91,3 +99,38 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     }  # fmt: skip
     assert r["heldout_loss_merged"] < r["heldout_loss_initial"] - 0.3, facts
     assert r["goodput"] is not None and 0 < r["goodput"] <= 1
+
+
+def test_a_stop_signal_as_the_run_ends_still_stops_its_coordinator(
+    tmp_path, tiny_config_path, monkeypatch, kill_leftovers
+):
+    # Ctrl-C while the run's last status is awaited (up to 120 s): raised inside the
+    # harness's finally, it skipped the stop there, and the coordinator ran on.
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps({
+        "workdir": str(tmp_path / "run"),
+        "model": {"config": tiny_config_path, "seed": 0},
+        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 64,
+                 "cache_dir": str(tmp_path / "cache")},
+        "train": {"steps": 1, "micro_batch": 1},
+        "islands": [{"name": "a", "world_size": 1}],
+        "coordinator": {"num_fragments": 4, "sync_every": 4},
+    }))  # fmt: skip
+
+    def interrupted(client, timeout_s=120.0):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)  # the handler raises here
+        raise AssertionError("SIGINT did not stop the run")
+
+    # No island: the run is over as soon as its coordinator answers.
+    monkeypatch.setattr(LocalRun, "start_islands", lambda self, skip=frozenset(): None)
+    monkeypatch.setattr(harness, "_wait_status", interrupted)
+    workdir = tmp_path / "chaos"
+    try:
+        with run_mod.stop_on_signals(), pytest.raises(run_mod.Stopped):
+            run_diloco(load_run_config(run_file), None, workdir, heldout=None)
+    finally:
+        leftovers = kill_leftovers(workdir)
+    assert "coordinator started" in (workdir / "coordinator.log").read_text()
+    assert leftovers.strip() == "", leftovers

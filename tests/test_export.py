@@ -8,8 +8,12 @@ is no longer the initial one and every fragment is at version 1.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,6 +238,60 @@ def test_exporting_again_replaces_the_earlier_export_whole(served, tmp_path):
         export_model(config, {**tensors, name: tensors[name][:1]}, out)
     assert sorted(p.name for p in out.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tok"]
+
+
+CRASH_MID_EXPORT = """
+import os, signal, sys
+from ds_diloco.export import replacing_folder
+with replacing_folder(sys.argv[1]) as tmp:
+    (tmp / "model.safetensors").write_bytes(b"half written")
+    os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-write: no handler runs
+"""
+
+
+def test_the_next_export_removes_what_a_crashed_export_left_and_nothing_else(served, tmp_path):
+    # A process killed mid-export left its .hf.new-* folder (a model's worth) for ever.
+    config, tensors = load_global_tensors(served.state_dir)
+    out = tmp_path / "hf"
+    crash = subprocess.run([sys.executable, "-c", CRASH_MID_EXPORT, str(out)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert crash.returncode == -9, crash.stderr
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.new-")]
+    assert (left / "model.safetensors").is_file()
+    # Not ours: another destination's, one that only looks alike, a live export's (this
+    # process's pid: an export of it in another thread).
+    others = [".hf2.new-0123abcd", ".hf.new-notes", ".hf.new-0123abcd.bak", "hf.new-0123abcd",
+              f".hf.new-{os.getpid()}-0123abcd"]  # fmt: skip
+    for name in others:
+        (tmp_path / name).mkdir()
+    stray = tmp_path / ".hf.new-89abcdef"  # as exports before this fix named theirs
+    stray.mkdir()
+    export_model(config, tensors, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", *others])
+
+
+def test_an_export_that_fails_as_it_takes_the_folders_place_leaves_it_as_it_was(
+    served, tmp_path, monkeypatch
+):
+    # Failing after the writing (here: the new folder cannot be moved into place), the
+    # export left its temporary folder, and the earlier export moved aside.
+    config, tensors = load_global_tensors(served.state_dir)
+    out = tmp_path / "hf"
+    export_model(config, tensors, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_rename, failed = Path.rename, []
+
+    def rename(self, target):
+        if Path(target) == out and self.name.startswith(".hf.new-") and not failed:
+            failed.append(self)
+            raise OSError(errno.EBUSY, "Device or resource busy", str(target))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="busy"):
+        export_model(config, {n: t + 1 for n, t in tensors.items()}, out)
+    assert failed and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):

@@ -320,6 +320,73 @@ def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_one(
     assert not lr.finished()  # b waits for its restart
 
 
+def test_a_coordinator_that_keeps_dying_is_restarted_with_backoff_then_stops_the_run(
+    tmp_path, tiny_config_path
+):
+    # It was restarted at once, without end: a coordinator that crashed each time it served
+    # took the run round that loop for ever. Now the islands' policy: after a backoff
+    # (restart_backoff_s, doubled per restart), at most max_restarts times, then an error.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_restarts": 2,
+                                "restart_backoff_s": 0.5}))  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    try:
+        lr.start_coordinator()
+        for _ in range(2):
+            dead = lr.coordinator
+            os.killpg(dead.pid, signal.SIGKILL)
+            dead.wait()
+            lr.supervise()
+            assert lr.coordinator is dead  # not before its backoff
+            deadline = time.monotonic() + 60
+            while lr.coordinator is dead and time.monotonic() < deadline:
+                lr.supervise()
+                time.sleep(0.05)
+            assert lr.coordinator is not dead, lr.events
+        os.killpg(lr.coordinator.pid, signal.SIGKILL)
+        lr.coordinator.wait()
+        with pytest.raises(run_mod.CoordinatorStartError) as e:  # what ds-diloco run reports
+            lr.supervise()
+    finally:
+        lr.stop()
+    assert str(lr.workdir / "coordinator.log") in str(e.value), e.value
+    assert "exit status -9" in str(e.value) and "max_restarts (2)" in str(e.value), e.value
+    died = [(x["event"], x.get("restart_in_s")) for x in lr.events if "restart" not in x["event"]]
+    assert died == [("coordinator died", 0.5), ("coordinator died", 1.0),
+                    ("coordinator given up", None)], lr.events  # fmt: skip
+    assert lr.coordinator_restarts == 2
+
+
+
+def test_a_coordinator_killed_on_purpose_by_a_chaos_schedule_is_no_death(
+    tmp_path, tiny_config_path
+):
+    # The chaos injector holds a killed coordinator down, then lets it come back: that is
+    # the schedule, not a crash, and must not use up max_restarts (0 here) or wait a backoff.
+    from ds_diloco.chaos.harness import RunTarget
+
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_restarts": 0,
+                                "restart_backoff_s": 30.0}))  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    try:
+        lr.start_coordinator()
+        target = RunTarget(lr, {}, {"a": 1})
+        for _ in range(2):
+            dead = lr.coordinator
+            target.kill_coordinator()
+            dead.wait()
+            lr.supervise()  # held down: not restarted, not given up
+            assert lr.coordinator is dead
+            target.restart_coordinator()
+            lr.supervise()
+            assert lr.coordinator is not dead and lr.coordinator.poll() is None, lr.events
+    finally:
+        lr.stop()
+    assert lr.coordinator_restarts == 2
+    assert [x["restart_in_s"] for x in lr.events if x["event"] == "coordinator died"] == [0, 0]
+
+
 CHILD = """
 import signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(0)))  # as launch.py does
@@ -453,7 +520,7 @@ def test_a_stop_signal_during_a_start_is_raised_once_the_process_is_recorded():
     # Raised inside Popen (between fork and its return), the Stopped left the new launcher
     # running and unrecorded: stop() never stopped it.
     started = []
-    with run_mod.stop_on_signals(), pytest.raises(run_mod.Stopped) as e, run_mod._recorded():
+    with run_mod.stop_on_signals(), pytest.raises(run_mod.Stopped) as e, run_mod.stop_deferred():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)  # the handler runs here, inside the start
         started.append("recorded")
@@ -501,3 +568,60 @@ def test_a_fresh_run_clears_an_earlier_runs_outputs_but_not_its_own_inputs(
     path.write_text(json.dumps({**run, "model": {"pretrained": str(work / "export")}}))
     LocalRun(load_run_config(path))
     assert (work / "export" / "config.json").is_file()
+
+
+STOPPED_WHILE_STOPPING = """
+import os, signal, sys, time
+def term(*_):
+    os.kill(os.getppid(), signal.SIGTERM)  # the run is told to stop while it stops this island
+    time.sleep(0.3)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stop_signal_while_the_run_stops_lets_the_stop_finish(tmp_path, tiny_config_path):
+    # A finished run stopping its processes when SIGTERM comes: raised in the wait for the
+    # island, it skipped the coordinator's stop, which ran on (the coordinator and any
+    # island not yet waited for live in process groups of their own).
+    islands = [{"name": "a", "world_size": 1}]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1)))
+    try:
+        lr.start_coordinator()
+        lr.islands["a"] = subprocess.Popen([sys.executable, "-c", STOPPED_WHILE_STOPPING],
+                                           start_new_session=True, stdout=subprocess.PIPE,
+                                           text=True)  # fmt: skip
+        assert lr.islands["a"].stdout.readline() == "up\n"
+        with run_mod.stop_on_signals(), pytest.raises(run_mod.Stopped) as e:
+            lr.stop()
+        assert e.value.exit_code == 128 + signal.SIGTERM
+        assert lr.coordinator.poll() is not None and not run_mod._group_alive(lr.coordinator.pid)
+    finally:
+        for p in (lr.coordinator, *lr.islands.values()):
+            if p is not None:
+                run_mod._signal_group(p, signal.SIGKILL)
+
+
+def test_a_run_stopped_by_a_signal_says_so_with_what_it_has(
+    tmp_path, tiny_config_path, monkeypatch, capsys
+):
+    # Ctrl-C while the data is prepared (the coordinator is starting): the run stops, and its
+    # last lines said "run finished in N s", as if it had.
+    import ds_diloco.data
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)  # the handler raises here
+        raise AssertionError("SIGINT did not stop the run")
+
+    monkeypatch.setattr(ds_diloco.data, "prepare_corpus", interrupted)
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    assert run_mod.run(load_run_config(path)) == 128 + signal.SIGINT
+    out = capsys.readouterr().out
+    assert "run stopped by SIGINT after " in out and "finished" not in out, out
+    assert "0 tokens over 0 islands" in out, out  # the figures it has
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["exit"] == 130 and summary["stopped_by"] == "SIGINT"
+    assert summary["events"] == [] and not (tmp_path / "run" / "export").exists()

@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,7 +41,13 @@ from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.chaos.schedule import Injector, Schedule
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import IslandSpec, RunConfig
-from ds_diloco.run import PROGRESS_EVERY_S, LocalRun, evaluate
+from ds_diloco.run import (
+    PROGRESS_EVERY_S,
+    CoordinatorStartError,
+    LocalRun,
+    evaluate,
+    stop_deferred,
+)
 
 DEFAULT_CHECKPOINT_EVERY = 20
 
@@ -270,6 +277,22 @@ def _progress(lr: LocalRun) -> str:
     return " | ".join(f"{n}: step {r.get('step')}" for n, r in sorted(lr.island_records().items()))
 
 
+def _stop_all(
+    lr: LocalRun, injector: Injector | None = None, watcher: Watcher | None = None, proxies=()
+) -> None:
+    """The faults reverted, then the watcher, every process and the proxies stopped. A stop
+    signal that comes meanwhile is raised at the end (``stop_deferred``): raised inside, it
+    left the islands or the coordinator running."""
+    with stop_deferred():
+        if injector is not None:
+            injector.stop()
+        if watcher is not None:
+            watcher.stop()
+        lr.stop()
+        for p in proxies:
+            p.close()
+
+
 def _with_workdir(cfg: RunConfig, workdir: Path, **train) -> RunConfig:
     coord = dataclasses.replace(cfg.coordinator, state_dir=str(workdir / "state"))
     return dataclasses.replace(cfg, workdir=str(workdir), coordinator=coord, export=True,
@@ -286,36 +309,28 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
                         or DEFAULT_CHECKPOINT_EVERY)  # fmt: skip
     lr = LocalRun(cfg)
     t0 = time.monotonic()
-    lr.spawn_coordinator()
-    proxies = {s.name: ChaosProxy("127.0.0.1", lr._port).start() for s in cfg.islands}
-    lr.island_urls = {name: p.url for name, p in proxies.items()}
+    proxies: dict[str, ChaosProxy] = {}
+    watcher = injector = schedule_t0 = None
     try:  # the islands start up while the coordinator does
+        lr.spawn_coordinator()
+        proxies = {s.name: ChaosProxy("127.0.0.1", lr._port).start() for s in cfg.islands}
+        lr.island_urls = {name: p.url for name, p in proxies.items()}
         lr.start_islands()
         client = lr.wait_for_coordinator()
-    except BaseException:
-        lr.stop()
-        for p in proxies.values():
-            p.close()
-        raise
-    watcher = Watcher(lr.url, lr.token).start()
-    injector, schedule_t0 = None, None
-    try:
+        watcher = Watcher(lr.url, lr.token).start()
         if schedule is not None:
             _until_training(lr)
             schedule_t0 = time.monotonic() - watcher.t0
             sizes = {s.name: s.world_size for s in cfg.islands}
             injector = Injector(schedule, RunTarget(lr, proxies, sizes)).start()
         _supervise(lr, label, client)
-    finally:
         if injector is not None:
             injector.stop()
         lr.coordinator_hold_until = 0.0
         lr.supervise()  # a coordinator held down by the last event comes back
         status = _wait_status(client)
-        watcher.stop()
-        lr.stop()
-        for p in proxies.values():
-            p.close()
+    finally:
+        _stop_all(lr, injector, watcher, proxies.values())
     wall = time.monotonic() - t0
     times = {s.name: island_time(lr.island_dir(s.name)) for s in cfg.islands}
     n_frag = cfg.coordinator.num_fragments
@@ -378,9 +393,7 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
             injector = Injector(schedule, target).start()
         _supervise(lr, "baseline", None)
     finally:
-        if injector is not None:
-            injector.stop()
-        lr.stop()
+        _stop_all(lr, injector)
     wall = time.monotonic() - t0
     d = lr.island_dir(spec.name)
     summary = json.loads((d / "summary-rank0.json").read_text())
@@ -490,8 +503,12 @@ def main(args) -> int:
     # Absolute: the island and coordinator files written under it resolve relative paths
     # against their own folder (a relative --workdir nested the runs inside themselves).
     workdir = workdir.resolve()
-    report = run_chaos(cfg, schedule, workdir, reference=not args.no_reference,
-                       baseline=not args.no_baseline)  # fmt: skip
+    try:
+        report = run_chaos(cfg, schedule, workdir, reference=not args.no_reference,
+                           baseline=not args.no_baseline)  # fmt: skip
+    except CoordinatorStartError as e:  # its runs are stopped by now
+        print(f"ds-diloco: error: {e}", file=sys.stderr)
+        return 1
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
