@@ -357,7 +357,6 @@ def test_a_coordinator_that_keeps_dying_is_restarted_with_backoff_then_stops_the
     assert lr.coordinator_restarts == 2
 
 
-
 def test_a_coordinator_killed_on_purpose_by_a_chaos_schedule_is_no_death(
     tmp_path, tiny_config_path
 ):
