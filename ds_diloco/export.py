@@ -313,14 +313,22 @@ def _put_in_place(new: Path, out: Path, old: Path) -> None:
 
 
 def _remove_dead_exports(out: Path) -> None:
-    """Remove the folders that exports to ``out`` were writing when their process died
-    (SIGKILL, out of memory, a crash of the machine): left beside ``out``, a model's worth
-    each, for ever. Only ``.<name>.new-<pid>-<hex>`` folders whose pid is no live process
-    here, and ``.<name>.new-<hex>`` ones (named so before the pid was added)."""
-    ours = re.compile(rf"\.{re.escape(out.name)}\.new-(?:(\d+)-)?[0-9a-f]{{8}}")
-    for path in out.parent.iterdir():
+    """Clear what exports to ``out`` left when their process died (SIGKILL, out of memory,
+    a crash of the machine), a model's worth each, for ever: the folders they were writing
+    (``.<name>.new-<pid>-<hex>``, and ``.<name>.new-<hex>`` as named before the pid was
+    added), removed; an earlier export moved aside (``.<name>.old-<pid>-<hex>``) and not
+    yet replaced, put back if ``out`` is missing (a death between the two renames), else
+    removed. Only those whose pid is no live process here."""
+    ours = re.compile(rf"\.{re.escape(out.name)}\.(new|old)-(?:(\d+)-)?[0-9a-f]{{8}}")
+    left = []
+    for path in sorted(out.parent.iterdir()):
         m = ours.fullmatch(path.name)
-        if m and path.is_dir() and not path.is_symlink() and not _alive(m[1]):
+        if m and path.is_dir() and not path.is_symlink() and not _alive(m[2]):
+            left.append((m[1], path))
+    for kind, path in left:
+        if kind == "old" and not out.exists():
+            path.rename(out)
+        else:
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -27,7 +27,13 @@ from ds_diloco import cli, wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import TOKEN_ENV, CoordinatorConfig, ModelSource
 from ds_diloco.data import train_tokenizer
-from ds_diloco.export import export, export_model, load_global, load_global_tensors
+from ds_diloco.export import (
+    export,
+    export_model,
+    load_global,
+    load_global_tensors,
+    replacing_folder,
+)
 from ds_diloco.fragments import FragmentPlan
 from ds_diloco.model_card import IslandSummary, RunSummary, load_run_summary
 from ds_diloco.outer_optim import OuterOptimConfig
@@ -292,6 +298,26 @@ def test_an_export_that_fails_as_it_takes_the_folders_place_leaves_it_as_it_was(
         export_model(config, {n: t + 1 for n, t in tensors.items()}, out)
     assert failed and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_earlier_export_a_crash_left_moved_aside_is_put_back_or_removed(served, tmp_path):
+    # A death between the two renames left the earlier export only in .hf.old-*, and no
+    # hf: the next export puts it back first (so a failure of that export still leaves it
+    # in place); with hf present, an .old-* of a dead export is removed.
+    config, tensors = load_global_tensors(served.state_dir)
+    out = tmp_path / "hf"
+    export_model(config, tensors, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    out.rename(tmp_path / f".hf.old-{dead}-0123abcd")
+    with pytest.raises(RuntimeError, match="midway"), replacing_folder(out):
+        raise RuntimeError("midway")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (tmp_path / f".hf.old-{dead}-4567abcd").mkdir()
+    export_model(config, tensors, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
