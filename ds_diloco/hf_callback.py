@@ -17,9 +17,13 @@ Trainer's step counter.
 
 from __future__ import annotations
 
+import logging
+
 from transformers import TrainerCallback
 
 from ds_diloco.learner import Learner, LearnerError
+
+log = logging.getLogger(__name__)
 
 
 class _TrainerEngine:
@@ -27,15 +31,23 @@ class _TrainerEngine:
 
     def __init__(self, model, optimizer, state):
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         self.module = model
         # accelerate wraps DeepSpeed's optimizer (DeepSpeedOptimizerWrapper.optimizer)
-        self.optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.optimizer = opt = getattr(optimizer, "optimizer", optimizer)
         self._state = state
-        self._stage3 = isinstance(self.optimizer, DeepSpeedZeroOptimizer_Stage3)
+        # From the optimizer the Trainer really runs, not from TrainingArguments.deepspeed:
+        # `accelerate launch --use_deepspeed` runs ZeRO-3 with that argument unset.
+        if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+            self.stage = 3
+        elif isinstance(opt, DeepSpeedZeroOptimizer):
+            self.stage = 2 if opt.partition_gradients else 1
+        else:
+            self.stage = 0  # DeepSpeed without ZeRO, or no DeepSpeed at all
 
     def zero_optimization_stage(self) -> int:
-        return 3 if self._stage3 else 0
+        return self.stage
 
     @property
     def global_steps(self) -> int:
@@ -54,7 +66,13 @@ class DiLoCoCallback(TrainerCallback):
             does not count them (``include_num_input_tokens_seen``, which it then
             must); the merge weights islands by these counts.
         take_global_at_end: when training ends, load the merged global model into the
-            Trainer's model (so that ``trainer.save_model()`` saves the run's model).
+            Trainer's model (so that ``trainer.save_model()`` saves the run's model). If
+            the coordinator cannot be reached then, the error is logged and the model
+            keeps the island's own weights (``versions`` stays None).
+
+    A ``train()`` that raises never reaches ``on_train_end``: the island does not leave,
+    but its lease lapses once it has not stepped for ``syncer.IDLE_LEASE_S``, so no
+    quorum waits for it.
     """
 
     def __init__(
@@ -85,12 +103,13 @@ class DiLoCoCallback(TrainerCallback):
                 "DiLoCoCallback needs token counts for the merge weights: set "
                 "TrainingArguments(include_num_input_tokens_seen=True) or pass tokens_per_step"
             )
-        if getattr(args, "deepspeed", None) is None:
+        engine = _TrainerEngine(model, optimizer, state)
+        if engine.stage == 0:  # stages 1 and 2 are named by the Learner's own check
             raise LearnerError(
                 "DiLoCoCallback needs the Trainer to run DeepSpeed ZeRO-3: "
-                "TrainingArguments(deepspeed=CONFIG) with zero_optimization.stage 3"
+                "TrainingArguments(deepspeed=CONFIG) with zero_optimization.stage 3, or "
+                "`accelerate launch --use_deepspeed --zero_stage 3`"
             )
-        engine = _TrainerEngine(model, optimizer, state)
         self.learner = Learner(
             engine, self.coordinator, self.island, token=self.token, alpha=self.alpha,
             keep_local_steps=self.keep_local_steps, connect_timeout_s=self.connect_timeout_s,
@@ -111,5 +130,9 @@ class DiLoCoCallback(TrainerCallback):
         self.learner.step(tokens=int(tokens))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.learner is not None:
+        if self.learner is None:
+            return
+        try:
             self.versions = self.learner.close(leave=True, take_global=self.take_global_at_end)
+        except LearnerError as e:  # raised, it would lose the trained model with train()
+            log.error("%s; the Trainer's model keeps this island's own weights", e)

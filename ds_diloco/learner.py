@@ -265,7 +265,12 @@ class Learner:
         self.syncer.close()
         if leave and self.rank == 0:  # no quorum should count on this island any more
             self.syncer.leave()
-        return self.syncer.take_global() if take_global else None
+        if not take_global:
+            return None
+        try:
+            return self.syncer.take_global()
+        except RuntimeError as e:  # raised on every rank together; the local model is intact
+            raise LearnerError(f"island {self.island!r}: {e}") from e
 
     def __enter__(self) -> Learner:
         return self

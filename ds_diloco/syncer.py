@@ -49,6 +49,12 @@ BACKGROUND_NICE = 10
 """OS priority offset of the transport threads: on cores that training keeps busy they
 run in its gaps (collective waits) instead of taking time slices from the inner step."""
 CLOSE_INTERRUPT_S = 5.0  # after close()'s deadline, how long requests still running are cut short
+IDLE_LEASE_S = 120.0
+"""Training silent this long (no step, no flush): the downloader stops polling, so the
+island's lease lapses and no quorum waits for it. A ``train()`` that raised in a process
+that lives on (a notebook, a caught error) never closes the syncer; its threads kept the
+lease for ever, and with K = M no round closed. The next step renews it."""
+TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) after this
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -248,6 +254,8 @@ class FragmentSyncer:
         self._step_s = 0.0  # this rank's inner step time, moving average
         self._step_t: float | None = None
         self._last_step: int | None = None  # the last inner step seen by on_step
+        self._active_t = time.monotonic()  # the training thread's last step (IDLE_LEASE_S)
+        self._fetch_error = ""  # the last download that failed, and why (take_global's error)
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
             threading.Thread(target=fn, name=f"{fn.__name__}-{island}-{rank}", daemon=True)
@@ -274,16 +282,20 @@ class FragmentSyncer:
         """Take the global model (:meth:`take_global`), then start the network thread."""
         versions = self.take_global(attempts)
         self._train_thread = threading.get_ident()
+        self._active_t = time.monotonic()
         for t in self._threads:
             t.start()
         return versions
 
-    def take_global(self, attempts: int = 20) -> list[int]:
+    def take_global(
+        self, attempts: int = 20, timeout_s: float = TAKE_GLOBAL_TIMEOUT_S
+    ) -> list[int]:
         """Take every fragment's current global value, the same version on every rank.
 
         Blocking, and only while the network thread is not running (before training,
         or after :meth:`close`). A merge between two ranks' downloads gives them
-        different versions; the ones behind download again.
+        different versions; the ones behind download again. Gives up after ``attempts``
+        or ``timeout_s`` (every rank at the same attempt), saying why.
         """
         # Decided by the whole island: raised on one rank only, the others would wait for
         # it in the agreement below. Only the downloader writes bases.
@@ -291,10 +303,13 @@ class FragmentSyncer:
         if running[0]:
             raise RuntimeError("take_global() while a rank's downloader still runs: close() first")
         todo = list(self.plan.fragments)
+        deadline, self._fetch_error = time.monotonic() + timeout_s, ""
         for _ in range(attempts):
-            for f in todo:
-                self._fetch(f, self.slots[f.index], after=None)
-            lows, highs, _ = self._agree([self.slots[f.index].version for f in todo])
+            for f in todo:  # each download retries a while: one past the deadline is not begun
+                if time.monotonic() < deadline:
+                    self._fetch(f, self.slots[f.index], after=None)
+            over = int(time.monotonic() >= deadline)
+            lows, highs, _ = self._agree([self.slots[f.index].version for f in todo] + [over])
             retry = []
             for f, lo, hi in zip(todo, lows, highs):
                 if lo == hi >= 0:
@@ -305,10 +320,18 @@ class FragmentSyncer:
             if not retry:
                 return self.versions()
             todo = retry
+            if highs[-1]:
+                break
             time.sleep(self.poll_s)
+        frags = [f.index for f in todo]
+        if self._fetch_error:  # the coordinator, not the ranks
+            raise RuntimeError(
+                f"{self.island}/{self.rank}: could not take the global model (fragments "
+                f"{frags}): {self._fetch_error}"
+            )
         raise RuntimeError(
             f"{self.island}/{self.rank}: ranks could not agree on the versions of fragments "
-            f"{[f.index for f in todo]} after {attempts} attempts"
+            f"{frags} within {attempts} attempts and {timeout_s:g} s"
         )
 
     def _agree(self, values: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -337,6 +360,7 @@ class FragmentSyncer:
         where a result is due or a fragment is sent (the same steps on every rank).
         """
         self._last_step = step
+        self._active_t = time.monotonic()
         now = time.perf_counter()
         if self._step_t is not None:
             dt = now - self._step_t
@@ -608,6 +632,7 @@ class FragmentSyncer:
                 version, problem = None, str(e)
                 torn = isinstance(e, wire.WireError)  # a refusal comes before any byte
             except Exception as e:  # unreachable, or cut short by close(): try again later
+                self._fetch_error = f"the coordinator did not answer: {e}"
                 if not self._woken_by_close():
                     self.stats.failed += 1
                     log.warning(
@@ -622,6 +647,7 @@ class FragmentSyncer:
             else:
                 torn = problem is not None
             if problem is not None:  # never applied: the base is fetched again whole
+                self._fetch_error = f"bad answer for fragment {frag.index}: {problem}"
                 self.stats.bad_responses += 1
                 log.error(
                     "%s/%d bad answer for fragment %d: %s",
@@ -715,7 +741,17 @@ class FragmentSyncer:
 
     def _download_loop(self) -> None:
         last_contact = time.monotonic()
+        idle_logged = False
         while not self._stop.is_set():
+            idle = time.monotonic() - self._active_t
+            if idle > IDLE_LEASE_S and not self._flushing:  # see IDLE_LEASE_S
+                if not idle_logged:
+                    log.warning("%s/%d no training step for %.0f s: heartbeats stop until "
+                                "the next step", self.island, self.rank, idle)  # fmt: skip
+                idle_logged = True
+                self._stop.wait(self.poll_s)
+                continue
+            idle_logged = False
             wanted = self._wanted()
             if all(w is None for w in wanted):
                 if time.monotonic() - last_contact >= HEARTBEAT_S:  # keep the lease alive

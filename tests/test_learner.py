@@ -59,3 +59,67 @@ def test_the_callback_needs_deepspeed():
     cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
     with pytest.raises(LearnerError, match="TrainingArguments\\(deepspeed=CONFIG\\)"):
         cb.on_train_begin(args(deepspeed=None), None, None)
+
+
+def _optimizer(kind: str, **attrs):
+    """An instance of DeepSpeed's own ZeRO optimizer class (not built: only its type and
+    the attributes the callback reads matter here)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    cls = {"zero3": DeepSpeedZeroOptimizer_Stage3, "zero12": DeepSpeedZeroOptimizer}[kind]
+    opt = object.__new__(cls)
+    opt.__dict__.update(attrs)
+    return opt
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "stage"),
+    [
+        (lambda: _optimizer("zero3"), 3),
+        # accelerate wraps it: DeepSpeedOptimizerWrapper.optimizer
+        (lambda: types.SimpleNamespace(optimizer=_optimizer("zero3")), 3),
+        (lambda: _optimizer("zero12", partition_gradients=True), 2),
+        (lambda: _optimizer("zero12", partition_gradients=False), 1),
+        (lambda: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), 0),
+    ],
+)
+def test_the_callback_reads_the_zero_stage_from_the_optimizer_the_trainer_runs(optimizer, stage):
+    # Not from TrainingArguments.deepspeed, unset under `accelerate launch --use_deepspeed`
+    # (a ZeRO-3 Trainer was refused); and stage 2 was reported as stage 0.
+    from ds_diloco.hf_callback import _TrainerEngine
+
+    assert (
+        _TrainerEngine(torch.nn.Linear(2, 2), optimizer(), None).zero_optimization_stage() == stage
+    )
+
+
+def test_the_callback_names_the_zero_stage_it_got():
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
+    zero2 = _optimizer("zero12", partition_gradients=True)
+    with pytest.raises(LearnerError, match=r"needs a ZeRO stage 3 engine .* is stage 2"):
+        cb.on_train_begin(args(deepspeed=None), None, None, model=torch.nn.Linear(2, 2),
+                          optimizer=zero2)  # fmt: skip
+
+
+def test_the_callback_joins_a_zero3_trainer_that_accelerate_launched(monkeypatch):
+    # `accelerate launch --use_deepspeed --zero_stage 3`: TrainingArguments.deepspeed is
+    # None, the optimizer is ZeRO-3's. Refused before; now the learner is made.
+    from ds_diloco import hf_callback
+
+    made = []
+
+    class Joined:  # stands in for the Learner (needs a process group and a coordinator)
+        def __init__(self, engine, *a, **kw):
+            made.append(engine.zero_optimization_stage())
+
+        def start_together(self, n):
+            pass
+
+    monkeypatch.setattr(hf_callback, "Learner", Joined)
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
+    state = types.SimpleNamespace(num_input_tokens_seen=0)
+    wrapped = types.SimpleNamespace(optimizer=_optimizer("zero3"))  # accelerate's wrapper
+    cb.on_train_begin(args(deepspeed=None), state, None, model=torch.nn.Linear(2, 2),
+                      optimizer=wrapped)  # fmt: skip
+    assert made == [3]

@@ -262,6 +262,49 @@ def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(tiny_con
         srv.stop()
 
 
+def test_taking_the_global_model_from_a_coordinator_that_is_gone_gives_up_saying_so(
+    tiny_config_path, tmp_path
+):
+    # It took 20 attempts x every fragment x the client's retries (535 s seen through the
+    # HF callback) and then blamed the ranks ("could not agree on the versions").
+    srv = ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1))
+    client = CoordinatorClient(srv.url, "t", retries=3, backoff_s=0.5)
+    (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+    s.bootstrap()
+    s.close()
+    srv.stop()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not take the global model .* did not answer"):
+        s.take_global(timeout_s=1.0)
+    assert time.monotonic() - t0 < 15.0  # one attempt: a download each, with its retries
+
+
+def test_an_island_whose_training_went_silent_lets_its_lease_lapse(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # A train() that raised in a process that lives on never closes the syncer: its threads
+    # kept the lease (live for ever: with K = M no round closed again). Idle past
+    # IDLE_LEASE_S, the downloader stops polling; the next step renews the lease.
+    from ds_diloco import syncer as syncer_mod
+
+    monkeypatch.setattr(syncer_mod, "IDLE_LEASE_S", 1.0, raising=False)
+    cfg = dataclasses.replace(
+        coordinator_config(tmp_path, tiny_config_path, quorum=1), island_timeout_s=3.0
+    )  # longer than the heartbeat interval (HEARTBEAT_S)
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+        s.long_poll_s = 0.2
+        s.bootstrap()
+        train(s, range(1, 3))  # fragment 0 sent at step 2: the downloader waits for it
+        live = lambda: srv.coord.status()["islands"]["a"]["live"]  # noqa: E731
+        assert live()
+        wait_for(lambda: not live(), timeout=10.0)
+        train(s, range(3, 4), wait_results=False)
+        wait_for(live, timeout=10.0)
+        s.close()
+
+
 class _CorruptingProxy:
     """Forwards to the coordinator; spoils the first ``bad`` fragment downloads that carry data.
 
