@@ -60,6 +60,7 @@ def gguf_to_hf(
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
+    _check_gguf(path)
 
     where, name = str(path.parent), path.name
     model = AutoModelForCausalLM.from_pretrained(
@@ -86,6 +87,31 @@ def gguf_to_hf(
     n = sum(p.numel() for p in model.parameters())
     log.info("converted %s (%s parameters) to %s in %s", path.name, f"{n:,}", out, dtype)
     return str(out)
+
+
+def _check_gguf(path: Path) -> None:
+    """Read the header, metadata and tensor table first: transformers' own parser fails on
+    a file cut short with a bare ``struct.error`` (cut in its metadata) or a ``cannot
+    reshape array`` that names no file (cut in its tensor data)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except OSError as e:
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
+        raise ValueError(
+            f"GGUF file {str(path)!r} is truncated or corrupt: {type(e).__name__}: {e}"
+        ) from None
+    size = path.stat().st_size
+    if end > size:
+        raise ValueError(
+            f"GGUF file {str(path)!r} is truncated: its tensors end at byte {end:,}, "
+            f"the file at {size:,}"
+        )
 
 
 def _dequantize_kwargs() -> dict:

@@ -431,6 +431,8 @@ class Coordinator:
                 "signature": self.plan.signature,
                 "islands": {k: v.to_json() for k, v in self._islands.items()},
                 "merges": [fs.merges for fs in self._frags],
+                # What /v1/plan serves: an export from the state dir alone names it too.
+                "schedule": dataclasses.asdict(self.send_schedule),
                 "xi_quorum": self._xi_quorum.to_dict(),
                 "xi_sync": self._xi_sync.to_dict(),
                 "metrics": self.metrics.to_dict(),

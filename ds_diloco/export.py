@@ -156,6 +156,7 @@ def _from_state_dir(root: Path) -> GlobalModel:
         plan.signature,
         merges=state.get("merges"),
         islands=state.get("islands", {}),
+        schedule=state.get("schedule", {}),  # none in states written before it was saved
         generation_config=store.read_json("model/generation_config.json"),
     )
 

@@ -10,6 +10,7 @@ at import.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -56,8 +57,26 @@ def push_folder(
         raise ValueError(f"cannot push to {repo_id}: $HF_HUB_OFFLINE is set") from None
     except HfHubHTTPError as e:
         raise ValueError(f"the Hub at {api.endpoint} refused the push to {repo_id}: {e}") from None
+    except _transport_errors() as e:  # no network, host unknown, refused, timed out
+        raise ValueError(
+            f"cannot push to {repo_id}: the Hub at {api.endpoint} cannot be reached "
+            f"({type(e).__name__}: {e})"
+        ) from None
     log.info("pushed %d files to %s: %s", len(files), repo_id, commit.commit_url)
     return commit.commit_url
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a failed connection raises: OSError (requests' errors are OSErrors too), and the
+    request errors of the httpx flavour ``huggingface_hub`` uses (``httpx2`` in 2.x, ``httpx``
+    in 1.x), which are not OSErrors. Not Exception: a programming error keeps its traceback."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError, AttributeError):
+            errors.append(importlib.import_module(name).RequestError)
+    return tuple(errors)
 
 
 def resolve_token(repo_id: str, token: str | None = None) -> str:

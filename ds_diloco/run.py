@@ -487,7 +487,11 @@ class PeriodicExport:
         tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
         out = self.lr.workdir / "exports" / f"merges-{merges}"
         try:
-            export(self.lr.url, out, token=self.lr.token, tokenizer=tok, repo=self.cfg.push_to_hub)
+            from ds_diloco.model_card import RunSummary
+
+            settings = RunSummary.from_json(_card_settings(self.cfg))  # the card's run settings
+            export(self.lr.url, out, token=self.lr.token, tokenizer=tok,
+                   repo=self.cfg.push_to_hub, run_summary=settings)  # fmt: skip
             if self.cfg.push_to_hub:
                 from ds_diloco.hub import push_folder
 
@@ -775,7 +779,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
-               "startup": lr.startup}  # fmt: skip
+               "startup": lr.startup, **_card_settings(cfg)}  # fmt: skip
     if point is not None:
         summary["resumed_from"] = point
     if stopped_by:
@@ -809,7 +813,8 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
 
 def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
     """The final export's model card with the run's own figures (held-out losses, islands,
-    goodput), then, with ``push_to_hub``, the folder to the Hub."""
+    goodput) and settings (base model, data, outer optimizer, schedule), then, with
+    ``push_to_hub``, the folder to the Hub."""
     from ds_diloco.model_card import RunSummary, model_card
 
     repo = cfg.push_to_hub
@@ -824,6 +829,22 @@ def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
             print(f"pushed {export_dir} to {repo}: {url}", flush=True)
         except Exception as e:  # the run and its export are done: say so, do not lose them
             print(f"[export] pushing {export_dir} to {repo} failed: {e}", flush=True)
+
+
+def _card_settings(cfg: RunConfig) -> dict:
+    """The run file's settings, under :class:`RunSummary`'s keys: without them the card said
+    "not given" for the base model, data, outer optimizer, H, tau and K, which the
+    coordinator's state does not hold (``summary.json`` carries them for
+    ``ds-diloco export --run-summary``)."""
+    m, c = cfg.model, cfg.coordinator
+    o = c.outer
+    lr, momentum = (1.0, 0.0) if o.name == "average" else (o.lr, o.momentum)  # what it applies
+    return {
+        "base_model": m.pretrained or f"none: from scratch ({m.config}, seed {m.seed})",
+        "data": cfg.data.path,
+        "outer": {"name": o.name, "lr": lr, "momentum": momentum, "H": c.sync_every,
+                  "P": c.num_fragments, "tau": c.policy.tau, "K": c.policy.min_quorum},
+    }  # fmt: skip
 
 
 def _print_summary(s: dict) -> None:

@@ -77,3 +77,41 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of"):
         gguf_to_hf(smollm2_gguf(), tmp_path / "out", dtype="int8")
     assert not (tmp_path / "out").exists()
+
+
+def small_gguf(path):
+    """A two-tensor Llama GGUF, written with the gguf package's own writer."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(32)
+    w.add_embedding_length(16)
+    w.add_head_count(2)
+    for name, shape in [("token_embd.weight", (64, 16)), ("output_norm.weight", (16,))]:
+        w.add_tensor(name, np.ones(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor data"])
+def test_a_truncated_gguf_is_one_line_naming_it(tmp_path, capsys, where):
+    # Cut in the metadata it was a struct.error traceback (exit 1); cut in the tensor data,
+    # "cannot reshape array of size 25 into shape (64,16)", naming no file.
+    import gguf
+
+    from ds_diloco import cli
+
+    data = small_gguf(tmp_path / "whole.gguf")
+    start = gguf.GGUFReader(tmp_path / "whole.gguf").tensors[0].data_offset
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: 100 if where == "metadata" else start + 100])
+    assert cli.main(["convert-gguf", "--gguf", str(cut), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ds-diloco: error: GGUF file ") and "\n" not in err, err
+    assert str(cut) in err and "truncated" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "whole.gguf"]  # no out

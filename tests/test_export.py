@@ -567,7 +567,8 @@ def test_model_card_without_a_summary_says_what_is_unknown(served, tmp_path):
     assert rows["goodput"] == rows["final held-out loss"] == "not measured"
     assert rows["islands"] == "1: a (2 ranks)"  # the coordinator's island table
     assert rows["merges per fragment"] == "1 (4 fragments, 4 merges in all)"
-    assert rows["schedule"].startswith("H = not given inner steps") and "P = 4" in rows["schedule"]
+    # The schedule is the coordinator's state's; K is a run setting it does not hold.
+    assert rows["schedule"].startswith("H = 4 inner steps") and "K = not given" in rows["schedule"]
     assert islands == [["a", "2", "not given", "not given", "4", "0"]]
 
 
@@ -609,3 +610,20 @@ def test_generation_config_comes_from_the_run(served, tmp_path):
     export_model(config, tensors, tmp_path / "hf2", tokenizer=tmp_path / "tok")
     got = json.loads((tmp_path / "hf2" / "generation_config.json").read_text())
     assert (got["eos_token_id"], got["max_new_tokens"]) == (3, 17)
+
+
+def test_an_export_from_a_state_dir_has_the_coordinators_schedule(served, tmp_path):
+    # The state held no H or tau: the card of an export from a state directory said "not
+    # given" for both. A state written before the schedule was saved still says so.
+    shutil.copytree(served.state_dir, tmp_path / "state")
+    export(tmp_path / "state", tmp_path / "hf")
+    _, rows, _ = card_parts(tmp_path / "hf" / "README.md")
+    assert rows["schedule"].startswith("H = 4 inner steps between syncs of a fragment, P = 4 "
+                                       "fragments, tau = 1 overlap steps"), rows  # fmt: skip
+    table = tmp_path / "state" / "coordinator.json"
+    old = json.loads(table.read_text())
+    del old["schedule"]
+    table.write_text(json.dumps(old))
+    export(tmp_path / "state", tmp_path / "hf")
+    _, rows, _ = card_parts(tmp_path / "hf" / "README.md")
+    assert rows["schedule"].startswith("H = not given inner steps"), rows

@@ -289,3 +289,30 @@ def test_private_and_revision_need_a_repo(state_dir, tmp_path, capsys):
     argv = ["export", "--from", str(state_dir), "--out", str(tmp_path / "hf"), "--private"]
     assert cli.main(argv) == 2
     assert "--private and --revision go with --push-to-hub" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_is_one_line_and_the_export_stays(
+    state_dir, tmp_path, monkeypatch, capsys
+):
+    # No network: a connection refused (httpx's ConnectError, not an HfHubHTTPError) ended
+    # in an 80-line traceback.
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    out = tmp_path / "hf"
+    argv = ["export", "--from", str(state_dir), "--out", str(out), "--push-to-hub", "me/tiny"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after transformers' progress bar
+    assert last.startswith("ds-diloco: error: cannot push to me/tiny: ") and "Traceback" not in err
+    assert "cannot be reached" in last and "refused" in last.lower(), last
+    assert {"config.json", "model.safetensors", "README.md"} <= set(folder_files(out))

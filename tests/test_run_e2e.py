@@ -142,6 +142,11 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     # Exported while the run went on: Hugging Face folders with a model card.
     exports = sorted((workdir / "exports").glob("merges-*"))
     assert exports and all((e / "README.md").exists() for e in exports), proc.stdout[-2000:]
+    # Their cards name the run's settings too (they said "not given").
+    assert (
+        "| outer optimizer | nesterov, lr 0.7, momentum 0.4 |"
+        in (exports[0] / "README.md").read_text()
+    )
     AutoModelForCausalLM.from_pretrained(exports[0], dtype=torch.float32)
 
     # The exported folder is the coordinator's model, exactly.
@@ -624,3 +629,50 @@ def test_a_run_stopped_by_a_signal_says_so_with_what_it_has(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exit"] == 130 and summary["stopped_by"] == "SIGINT"
     assert summary["events"] == [] and not (tmp_path / "run" / "export").exists()
+
+
+def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_path, monkeypatch):
+    # The card of a run's export said "not given" for the base model, data, outer optimizer,
+    # H, tau and K, all set in the run file. run() with its processes, data, export and
+    # evaluation stood in for; the summary and the card are its own.
+    import ds_diloco.data
+    import ds_diloco.export
+    from ds_diloco.export import GlobalModel
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(Path(tiny_config_path).read_text())
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1,
+                          num_fragments=2, sync_every=8,
+                          outer={"name": "nesterov", "lr": 0.55, "momentum": 0.35},
+                          policy={"min_quorum": 2, "grace_gamma": 0.5, "tau": 3})  # fmt: skip
+    run = json.loads(path.read_text())
+    path.write_text(json.dumps({**run, "model": {"pretrained": str(base)}}))
+    cfg = load_run_config(path)
+
+    def export(source, out, **kwargs):  # as from the state directory: no schedule
+        Path(out).mkdir()
+        return GlobalModel({}, {"w": torch.zeros(3)}, [1, 1], "", merges=[1, 1])
+
+    monkeypatch.setattr(LocalRun, "spawn_coordinator", lambda self: None)
+    monkeypatch.setattr(LocalRun, "stop", lambda self: None)
+    monkeypatch.setattr(ds_diloco.data, "prepare_corpus", lambda *a, **k: (None, []))
+    monkeypatch.setattr(ds_diloco.data, "heldout_split", lambda *a, **k: ([], []))
+    monkeypatch.setattr(run_mod, "_drive", lambda cfg, lr, point: (0, None))
+    monkeypatch.setattr(ds_diloco.export, "export", export)
+    monkeypatch.setattr(run_mod, "evaluate", lambda *a: {})
+    assert run_mod.run(cfg) == 0
+
+    card = (tmp_path / "run" / "export" / "README.md").read_text()
+    rows = dict(line.strip("|").split(" | ", 1) for line in card.splitlines()
+                if line.startswith("| ") and line.count(" | ") == 1)  # fmt: skip
+    rows = {k.strip(): v.strip(" |") for k, v in rows.items()}
+    assert rows["base model"] == str(base)
+    assert rows["data"] == str(REPO / "tests" / "data")
+    assert rows["outer optimizer"] == "nesterov, lr 0.55, momentum 0.35"
+    assert rows["schedule"] == ("H = 8 inner steps between syncs of a fragment, P = 2 "
+                                "fragments, tau = 3 overlap steps, K = 2 minimum quorum")  # fmt: skip
+    # summary.json carries them too, for `ds-diloco export --run-summary`.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["outer"] == {"name": "nesterov", "lr": 0.55, "momentum": 0.35, "H": 8,
+                                "P": 2, "tau": 3, "K": 2}  # fmt: skip
