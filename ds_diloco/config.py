@@ -225,7 +225,8 @@ class DataConfig:
     """An island's text: where it comes from, how it becomes fixed-length token blocks."""
 
     path: str
-    """Text file or folder (*.txt), .json/.jsonl/.parquet files, or a ``load_dataset`` name."""
+    """Text file or folder (its *.txt files, else its .json/.jsonl/.parquet files; hidden
+    entries skipped, linked folders followed), a saved dataset, or a ``load_dataset`` name."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer folder; None trains a byte-level BPE on the corpus (cached)."""
     vocab_size: int = 4096
@@ -234,6 +235,8 @@ class DataConfig:
     """Tokens per training sequence."""
     text_field: str = "text"
     """Column holding the text in json/parquet/hub datasets."""
+    split: str = "train"
+    """The split of a dataset that has several (a saved ``DatasetDict``, a hub dataset)."""
     heldout_fraction: float = 0.02
     """Share of blocks held out for evaluation (the same blocks on every island)."""
     cache_dir: str = ".cache/ds_diloco"

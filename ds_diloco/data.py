@@ -59,12 +59,41 @@ _FOOTER_START = re.compile(
 
 
 def find_text_files(path: str | os.PathLike) -> list[str]:
-    """``path`` itself if it is a file, else every ``*.txt`` below it, sorted."""
-    p = Path(path)
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*.txt") if f.is_file())
-    if not files:
-        raise ValueError(f"no text files at {str(path)!r}: give a file or a folder of *.txt files")
+    """``path`` itself if it is a file, else every ``*.txt`` below it (else, for a folder
+    of records, its ``.json``/``.jsonl``/``.parquet`` files), sorted; see :func:`_walk`."""
+    if not os.path.exists(path):
+        raise ValueError(f"data.path {str(path)!r} does not exist")
+    if not (files := _corpus_files(Path(path))):
+        raise ValueError(
+            f"no text files at {str(path)!r}: give a file or a folder of *.txt "
+            "(or .json/.jsonl/.parquet) files"
+        )
+    return files
+
+
+def _corpus_files(p: Path) -> list[str]:
+    """:func:`find_text_files`, [] for none."""
+    if p.is_file():
+        return [str(p)]
+    found = _walk(p)
+    files = [f for f in found if f.suffix == ".txt"] or [f for f in found if f.suffix in _LOADERS]
     return [str(f) for f in files]
+
+
+def _walk(root: Path) -> list[Path]:
+    """The files below ``root``, sorted: hidden files and folders left out (a notebook's
+    .ipynb_checkpoints copies were trained on, held-out text included; ``datasets`` skips
+    them too), symlinked folders followed once (``Path.rglob`` skipped them)."""
+    out, seen = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [Path(top) / n for n in names if not n.startswith(".")]
+    return sorted(f for f in out if f.is_file())
 
 
 def clean_gutenberg(text: str) -> str:
@@ -182,6 +211,8 @@ def train_tokenizer(
 
 _LOADERS = {".json": "from_json", ".jsonl": "from_json", ".parquet": "from_parquet"}
 """File suffix -> the ``datasets.Dataset`` constructor that reads it."""
+_SAVED_DATASET = ("dataset_info.json", "dataset_dict.json")
+"""A folder holding one of these was written by ``save_to_disk``."""
 
 
 def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
@@ -217,12 +248,14 @@ def load_text_dataset(
     if not sources:
         raise ValueError("load_text_dataset: no source given")
     if len(sources) == 1 and not os.path.exists(sources[0]):
+        if os.path.isabs(sources[0]):  # a path (the config makes relative ones absolute)
+            raise ValueError(f"data.path {str(sources[0])!r} does not exist")
         return _text_column(datasets.load_dataset(str(sources[0]), split=split), text_field, split)
     if missing := [str(s) for s in sources if not os.path.exists(s)]:
         raise ValueError(f"load_text_dataset: no such files {missing}")
     folder = Path(sources[0])
-    if len(sources) == 1 and folder.is_dir() and not any(folder.rglob("*.txt")):
-        saved = (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists()
+    saved = any((folder / f).exists() for f in _SAVED_DATASET)
+    if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder)):
         ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
         return _text_column(ds, text_field, split)
 
@@ -290,6 +323,22 @@ def split_blocks(blocks: torch.Tensor, num_shards: int, shard: int) -> torch.Ten
     if len(blocks) < num_shards:
         raise ValueError(f"{len(blocks)} blocks cannot give {num_shards} non-empty shards")
     return blocks[shard::num_shards]
+
+
+def check_shards(train_blocks: int, world_sizes: dict[str, int]) -> None:
+    """Raise, naming the island, if :func:`split_blocks` (islands, then each island's
+    ranks) would leave a rank without a block. ``ds-diloco run`` checks it before it
+    starts anything: in the island it came as an error with no island named, restarted
+    to fail again, while the other islands waited for it."""
+    m = len(world_sizes)
+    for i, (name, world) in enumerate(world_sizes.items()):
+        got = len(range(i, train_blocks, m))
+        if got < world:
+            raise ValueError(
+                f"data: {train_blocks} training blocks give island {name!r} {got} for its "
+                f"{world} ranks (at least one each): use more text, a smaller data.seq_len, "
+                "or fewer islands or ranks"
+            )
 
 
 def heldout_split(
@@ -406,6 +455,7 @@ def prepare_corpus(
     *,
     tokenizer: str | os.PathLike | None = None,
     text_field: str = "text",
+    split: str = "train",
 ):
     """Text -> (tokenizer, packed blocks), both cached under ``cache_dir``.
 
@@ -419,11 +469,10 @@ def prepare_corpus(
     from transformers import AutoTokenizer
 
     local = os.path.exists(source)
-    files = (
-        find_text_files(source)
-        if local and (Path(source).is_file() or any(Path(source).rglob("*.txt")))
-        else []
-    )
+    if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
+        raise ValueError(f"data.path {str(source)!r} does not exist")
+    saved = local and any((Path(source) / f).exists() for f in _SAVED_DATASET)
+    files = _corpus_files(Path(source)) if local and not saved else []
     cache = Path(cache_dir)
     if files:
         corpus = _fingerprint(files, vocab_size)
@@ -435,18 +484,19 @@ def prepare_corpus(
         tok = AutoTokenizer.from_pretrained(str(tokenizer))
         corpus = {**corpus, "tokenizer": _tokenizer_hash(tok)}  # retrained in place: new key
     elif files:
-        out = _tokenizer_dir(cache, files, vocab_size)
+        out = _tokenizer_dir(cache, files, vocab_size, text_field)
         tok = train_tokenizer(files, vocab_size, out, text_field=text_field)
     else:
         raise ValueError(
             f"data.path {str(source)!r} holds no local text files to train a tokenizer on: "
             "set data.tokenizer to a tokenizer folder"
         )
-    key = hashlib.sha256(json.dumps({**corpus, "text_field": text_field}).encode()).hexdigest()[:16]
+    key = {**corpus, "text_field": text_field, **({"split": split} if split != "train" else {})}
+    key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     path = cache / f"blocks-{key}-seq{seq_len}.pt"
     if path.is_file():
         return tok, torch.load(path)
-    blocks = pack(load_text_dataset(source, text_field=text_field), tok, seq_len)
+    blocks = pack(load_text_dataset(source, text_field=text_field, split=split), tok, seq_len)
     buf = io.BytesIO()
     torch.save(blocks, buf)
     atomic_write(path, buf.getvalue())
@@ -456,14 +506,8 @@ def prepare_corpus(
 def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:
     """The files a dataset folder may load from: hidden ones (which ``datasets`` skips
     too) and our own cache are left out, or writing blocks would move the key."""
-    root, cache = Path(folder), cache.resolve()
-    return [
-        f
-        for f in sorted(root.rglob("*"))
-        if f.is_file()
-        and not any(part.startswith(".") for part in f.relative_to(root).parts)
-        and cache not in f.resolve().parents
-    ]
+    cache = cache.resolve()
+    return [f for f in _walk(Path(folder)) if cache not in f.resolve().parents]
 
 
 def _tokenizer_hash(tok) -> str:
@@ -478,11 +522,18 @@ def _tokenizer_hash(tok) -> str:
     return hashlib.sha256(f"{state}\n{tok.eos_token_id}".encode()).hexdigest()[:16]
 
 
-def tokenizer_dir(cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int) -> Path:
+def tokenizer_dir(
+    cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int,
+    text_field: str = "text",
+) -> Path:  # fmt: skip
     """Where :func:`prepare_corpus` keeps the tokenizer it trained for ``source``."""
-    return _tokenizer_dir(cache_dir, find_text_files(source), vocab_size)
+    return _tokenizer_dir(cache_dir, find_text_files(source), vocab_size, text_field)
 
 
-def _tokenizer_dir(cache_dir, files: Sequence[str], vocab_size: int) -> Path:
-    key = hashlib.sha256(json.dumps(_fingerprint(files, vocab_size)).encode()).hexdigest()[:16]
+def _tokenizer_dir(cache_dir, files: Sequence[str], vocab_size: int, text_field: str) -> Path:
+    key = _fingerprint(files, vocab_size)
+    if any(Path(f).suffix in _LOADERS for f in files):  # another column: another tokenizer
+        key["text_field"] = text_field  # (it was retrained in place, and shipped with
+        # the models of the runs that had trained on the first one)
+    key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"tokenizer-{key}"

@@ -38,12 +38,18 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[torch.Tensor, torch.Tenso
     if rank != 0:
         zero.barrier()
     _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-                               text_field=d.text_field)  # fmt: skip
+                               text_field=d.text_field, split=d.split)  # fmt: skip
     if rank == 0:
         zero.barrier()
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
-    island = split_blocks(train, cfg.num_shards, cfg.shard)
-    return split_blocks(island, torch.distributed.get_world_size(), rank), heldout
+    try:
+        island = split_blocks(train, cfg.num_shards, cfg.shard)
+        return split_blocks(island, torch.distributed.get_world_size(), rank), heldout
+    except ValueError as e:  # say whose shard: the bare message named no island
+        raise ValueError(
+            f"island {cfg.island!r} (shard {cfg.shard} of {cfg.num_shards}) rank {rank}: {e}; "
+            "use more text, a smaller data.seq_len, or fewer islands or ranks"
+        ) from None
 
 
 def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:

@@ -484,7 +484,7 @@ class PeriodicExport:
         from ds_diloco.export import export
 
         d = self.cfg.data
-        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
+        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
         out = self.lr.workdir / "exports" / f"merges-{merges}"
         try:
             from ds_diloco.model_card import RunSummary
@@ -744,7 +744,7 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
 
 def run(cfg: RunConfig, resume: bool = False) -> int:
     """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
-    from ds_diloco.data import heldout_split, prepare_corpus, tokenizer_dir
+    from ds_diloco.data import check_shards, heldout_split, prepare_corpus, tokenizer_dir
     from ds_diloco.export import check_out_folder, export
 
     if cfg.push_to_hub:  # before the run, not after it
@@ -763,8 +763,9 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             lr.spawn_coordinator()  # it starts up while the data is prepared
             print(f"preparing data from {d.path} ...", flush=True)
             _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                                       tokenizer=d.tokenizer, text_field=d.text_field)  # fmt: skip
-            _, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
+                                       tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
+            train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
+            check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             heldout = heldout[:64]
             code, final_status = _drive(cfg, lr, point)
         except Stopped as e:
@@ -798,7 +799,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = g = None
     if cfg.export and code == 0:  # from the state dir: its generation config comes along
-        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
+        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
         export_dir = lr.workdir / "export"
         g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)

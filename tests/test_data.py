@@ -46,6 +46,65 @@ def test_find_text_files(tmp_path):
         data.find_text_files(tmp_path / "nowhere")
 
 
+def test_find_text_files_skips_hidden_entries_and_follows_linked_folders(tmp_path):
+    # A notebook's .ipynb_checkpoints copy was trained on (held-out text included), and a
+    # symlinked folder was skipped (Path.rglob does not follow them).
+    root, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    for name in ["a.txt", ".ipynb_checkpoints/a-checkpoint.txt", ".secret.txt", "b/.c.txt"]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")
+    elsewhere.mkdir()
+    (elsewhere / "l.txt").write_text("x")
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (root / "loop").symlink_to(root, target_is_directory=True)  # no endless walk
+    assert data.find_text_files(root) == [str(root / "a.txt"), str(root / "linked" / "l.txt")]
+    only_link = tmp_path / "only-link"
+    only_link.mkdir()
+    (only_link / "d").symlink_to(elsewhere, target_is_directory=True)
+    assert data.find_text_files(only_link) == [str(only_link / "d" / "l.txt")]
+
+
+def test_a_mistyped_data_path_says_it_does_not_exist(tmp_path):
+    # It was taken for a hub dataset's name: "holds no local text files to train a
+    # tokenizer on: set data.tokenizer", the wrong advice.
+    missing = tmp_path / "no-such-corpus"
+    with pytest.raises(ValueError, match="no-such-corpus' does not exist"):
+        data.prepare_corpus(missing, tmp_path / "cache", VOCAB, 32)
+    with pytest.raises(ValueError, match="does not exist"):
+        data.load_text_dataset(str(missing))
+
+
+def test_a_folder_of_jsonl_files_trains_its_tokenizer_and_a_split_can_be_named(tmp_path, tokenizer):
+    # A folder of .jsonl files "held no local text files to train a tokenizer on" (one
+    # file trained fine); a saved DatasetDict without a "train" split could not be used.
+    paragraphs = data._paragraphs(data.clean_gutenberg(SONNETS.read_text()))
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for i in range(2):
+        part = paragraphs[i::2]
+        (folder / f"part{i}.jsonl").write_text("".join(json.dumps({"t": p}) + "\n" for p in part))
+    tok, blocks = data.prepare_corpus(folder, tmp_path / "cache", VOCAB, 32, text_field="t")
+    assert tok.decode(blocks[0].tolist()).startswith(paragraphs[0])  # part0.jsonl first
+    assert (data.tokenizer_dir(tmp_path / "cache", folder, VOCAB, "t") / "tokenizer.json").is_file()
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"validation": datasets.Dataset.from_dict({"text": paragraphs})}
+    ).save_to_disk(str(saved))
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    _, val = data.prepare_corpus(saved, tmp_path / "cache", VOCAB, 32, tokenizer=tok_dir,
+                                 split="validation")  # fmt: skip
+    assert len(val) > 10
+    with pytest.raises(ValueError, match="split 'train' not found"):
+        data.prepare_corpus(saved, tmp_path / "cache", VOCAB, 32, tokenizer=tok_dir)
+
+
+def test_shards_that_leave_a_rank_without_a_block_are_refused_naming_the_island():
+    data.check_shards(5, {"a": 3, "b": 2})  # 3 and 2 blocks: one per rank
+    with pytest.raises(ValueError, match=r"give island 'b' 1 for its 2 ranks"):
+        data.check_shards(3, {"a": 2, "b": 2})
+
+
 @pytest.mark.parametrize(
     ("header", "footer"),
     [
@@ -324,6 +383,12 @@ def test_tokenizer_for_a_json_or_parquet_file_learns_the_text_column(tmp_path):
     body_tok, _ = data.prepare_corpus(jsonl, cache, VOCAB, 32, text_field="body")  # retrains
     assert body_tok.get_vocab() != tok.get_vocab() and "ĠTHE" in body_tok.get_vocab()
     assert data.tokenizer_dir(cache, jsonl, VOCAB) == data.tokenizer_dir(cache, jsonl, VOCAB)
+    # Each column's tokenizer in a folder of its own: the "text" run's export ships the
+    # tokenizer its blocks were made with (the "body" one had been retrained over it).
+    text_dir = data.tokenizer_dir(cache, jsonl, VOCAB)
+    assert data.tokenizer_dir(cache, jsonl, VOCAB, "body") != text_dir
+    shipped = data.PreTrainedTokenizerFast.from_pretrained(str(text_dir))
+    assert shipped.get_vocab() == tok.get_vocab()
 
 
 def test_blocks_cache_sees_a_dataset_or_tokenizer_rewritten_in_place(tmp_path, monkeypatch):

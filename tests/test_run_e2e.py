@@ -676,3 +676,25 @@ def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_p
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["outer"] == {"name": "nesterov", "lr": 0.55, "momentum": 0.35, "H": 8,
                                 "P": 2, "tau": 3, "K": 2}  # fmt: skip
+
+
+def test_a_corpus_too_small_for_the_islands_ranks_is_refused_before_any_island_starts(
+    tmp_path, tiny_config_path
+):
+    # Island b's ranks found 1 block for 2, failed with a message naming no island, were
+    # restarted to fail again, and island a waited 120 s for it (the run took 133 s).
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text((REPO / "tests" / "data" / "sonnets.txt").read_text()[:700])
+    run_file = write_run_file(
+        tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 2}],
+        steps=2,
+    )  # fmt: skip
+    run = json.loads(run_file.read_text())
+    run["data"] = {**run["data"], "path": str(corpus), "vocab_size": 300, "seq_len": 128}
+    run_file.write_text(json.dumps(run))
+    proc = subprocess.run([sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "training blocks give island '" in proc.stderr, proc.stderr
+    assert "for its 2 ranks" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "islands").exists()  # none was started

@@ -667,8 +667,9 @@ def _prepare_data(cfg: RunConfig) -> None:
 
     d = cfg.data
     prepare_corpus(
-        d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer, text_field=d.text_field
-    )
+        d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
+        text_field=d.text_field, split=d.split,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------- report

@@ -343,7 +343,7 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     config, tensors = load_global_tensors(cfg.coordinator.state_dir)
     finite = all(bool(t.isfinite().all()) for t in tensors.values())
     d = cfg.data
-    tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size))
+    tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
     export = export_model(config, tensors, workdir / "export", tokenizer=tok)
     quality = evaluate(cfg, Path(export), heldout)
     quality.pop("sample", None)
@@ -424,7 +424,7 @@ def run_chaos(cfg: RunConfig, schedule: Schedule, workdir: Path, *, reference: b
     schedule.check_targets({s.name: s.world_size for s in cfg.islands})
     d = cfg.data
     _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-                               text_field=d.text_field)  # fmt: skip
+                               text_field=d.text_field, split=d.split)  # fmt: skip
     heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:64]
     report: dict = {"schedule": schedule.to_dict()}
     report["chaos"] = run_diloco(cfg, schedule, workdir / "chaos", heldout)
