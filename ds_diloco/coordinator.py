@@ -252,6 +252,7 @@ class _FragmentState:
         self.complete: dict[str, _Contribution] = {}
         self.merging = False
         self.merges = 0
+        self.merges_at = version  # the version ``merges`` counts up to (published first)
         self.merge_failures = 0
         self.failures_in_a_row = 0
         self.retry_at: float | None = None  # no merge before (clock time), after a failure
@@ -369,9 +370,19 @@ class Coordinator:
                 f"{plan.strategy!r} fragments; the config asks for {self.cfg.num_fragments} "
                 f"{self.cfg.fragmentation!r}: use a new state_dir or the old settings"
             )
+        from ds_diloco.hf_model import model_signature
+
+        if (want := model_signature(self.cfg.model)) != plan.signature:
+            raise ValueError(
+                f"state_dir {self.cfg.state_dir} was written for another model (parameter "
+                f"names or shapes differ: {plan.signature[:12]} there, {want[:12]} for "
+                f"{self.cfg.model.pretrained or self.cfg.model.config}): use a new state_dir "
+                "or the old model"
+            )
         self.plan = plan
         self._frags = []
         hwm = self.store.read_json("versions.json") or {}
+        merges_at = state.get("merges_at")  # the versions the merge counts were saved at
         for frag in plan.fragments:
             version, values, optim = self.store.read_fragment(frag.index)
             # Written with durable merges, the file holds the last served version. Otherwise a
@@ -382,6 +393,9 @@ class Coordinator:
                 fs.optimizer.load_state_dict(optim)
             fs.saved_version = version
             fs.merges = state["merges"][frag.index]
+            if merges_at is not None:  # merges made durable after the table's last save
+                fs.merges += max(0, version - merges_at[frag.index])
+            fs.merges_at = version
             self._frags.append(fs)
         now = self.clock()
         self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
@@ -431,6 +445,7 @@ class Coordinator:
                 "signature": self.plan.signature,
                 "islands": {k: v.to_json() for k, v in self._islands.items()},
                 "merges": [fs.merges for fs in self._frags],
+                "merges_at": [fs.merges_at for fs in self._frags],  # see _load
                 # What /v1/plan serves: an export from the state dir alone names it too.
                 "schedule": dataclasses.asdict(self.send_schedule),
                 "xi_quorum": self._xi_quorum.to_dict(),
@@ -610,13 +625,14 @@ class Coordinator:
                 raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
             if isl.left_at is not None:
                 raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
+            # First: a superseded launch must hear so (and stop), even with another world size.
+            _check_incarnation("upload", isl, h.incarnation)
             if h.world_size != isl.world_size:
                 raise CoordinatorError(
                     422,
                     f"island {h.island!r} registered with world size {isl.world_size}, "
                     f"the upload says {h.world_size}",
                 )
-            _check_incarnation("upload", isl, h.incarnation)
             last = isl.uploads.get((h.fragment, h.rank))
             if last is not None and h.step <= last:
                 raise CoordinatorError(
@@ -1045,7 +1061,7 @@ class Coordinator:
                 self.send_schedule.position(fs.fragment.index),
                 fs.opened_at[version + 1],
             )
-            fs.merges += 1
+            fs.merges, fs.merges_at = fs.merges + 1, version + 1
             self._merges_since_save += 1
             self._xi_sync.update(sync)
             if state.quorum_at is not None and state.first_arrival is not None:

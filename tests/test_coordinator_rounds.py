@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -724,3 +726,46 @@ def test_a_failed_periodic_save_after_a_merge_is_not_a_failed_merge(tiny_config_
     assert coord.status()["merge_failures"] == [0, 0] and calls == [1]
     send(coord, "a", 1, step=4, scale=1e-2)
     assert coord.poll(1).merge and coord.versions() == [1, 1] and calls == [1, 1]
+
+
+def test_a_state_written_for_another_model_is_refused(tiny_config_path, tmp_path):
+    # A resume with another model was taken: every island then failed on the first
+    # fragment's size, was restarted and given up (exit 1 after 97 s).
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    other = json.loads(Path(tiny_config_path).read_text())
+    other["intermediate_size"] += 64
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="was written for another model"):
+        make(str(other_path), tmp_path / "s", Clock(), policy=policy)
+    assert make(tiny_config_path, tmp_path / "s", Clock(), policy=policy).versions() == [0, 0]  # the same: fine
+
+
+def test_merge_counts_made_durable_after_the_last_table_save_survive_a_crash(
+    tiny_config_path, tmp_path
+):
+    # After a SIGKILL the counts came from the periodic table, behind the durable versions
+    # for good (versions [14, 13, 15, 15], merges [12, 11, 12, 13] at the end of a run).
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, save_every_merges=100)
+    coord.register("a", 1, coord.plan.signature)
+    for step in (2, 4, 6):
+        send(coord, "a", 0, step=step)
+        assert coord.poll(0).merge
+    assert coord.versions() == [3, 0] and coord.status()["merges"] == [3, 0]
+    del coord  # a crash: no save
+    again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    assert again.versions() == [3, 0] and again.status()["merges"] == [3, 0]
+
+
+def test_a_superseded_launch_is_told_so_whatever_its_world_size(tiny_config_path, tmp_path):
+    # Relaunched with another world size, the old launch's uploads were refused for their
+    # world size (422): never told it was superseded, it trained to the end for nothing.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    coord.register("a", 1, coord.plan.signature)
+    assert coord.register("a", 2, coord.plan.signature)["incarnation"] == 2
+    with pytest.raises(CoordinatorError) as e:
+        send(coord, "a", 0, step=2, world_size=1, incarnation=1)
+    assert e.value.status == 409 and wire.SUPERSEDED in str(e.value), e.value
