@@ -211,6 +211,19 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
     torch.distributed.barrier()
 
 
+def checkpoint_world_size(folder: Path) -> int | None:
+    """The number of ranks that wrote the ZeRO-3 checkpoint in ``folder`` (None: unknown).
+
+    Read from rank 0's model states, where DeepSpeed itself takes it on loading; counting
+    files would miss a folder a smaller island rewrote over a larger one's leftovers.
+    """
+    model_states = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if not model_states.is_file():
+        return None  # DeepSpeed says what is missing
+    state = torch.load(model_states, map_location="cpu", weights_only=False)
+    return state.get("dp_world_size")
+
+
 def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens)."""
     pointer = directory / LATEST
@@ -222,6 +235,17 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
             f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
             "start the island afresh, or point the file at a complete step* folder"
         )
+    # DeepSpeed refuses a ZeRO checkpoint written by another number of ranks, and would on
+    # every restart: an island resized between runs starts as one without a checkpoint.
+    written_by = checkpoint_world_size(directory / tag)
+    if written_by is not None and written_by != engine.dp_world_size:
+        if torch.distributed.get_rank() == 0:
+            log.warning(
+                "checkpoint %s was written with world size %d, this island has world size %d: "
+                "starting from the global model; its AdamW state is not carried over",
+                directory / tag, written_by, engine.dp_world_size,
+            )  # fmt: skip
+        return 0, 0
     path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
         raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")

@@ -151,3 +151,38 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(
         assert first < s2["heldout_loss_initial"] + 0.4 < summary["heldout_loss_initial"], first
     assert s2["heldout_loss_merged"] < s2["heldout_loss_initial"], s2
     assert min(s2["merges"]) >= 1
+
+
+@pytest.mark.timeout(300)
+def test_resumed_island_with_another_world_size_starts_from_the_global_model(
+    tmp_path, tiny_config_path, kill_leftovers
+):
+    # One island of 2 ranks checkpoints at step 5 and finishes; resumed for more steps with
+    # 1 rank, DeepSpeed would refuse that checkpoint on every launch (the run ended, exit 1).
+    run_file = write_run_file(tmp_path, "run", {"config": tiny_config_path, "seed": 0}, 6,
+                              checkpoint_every=5)  # fmt: skip
+    workdir = tmp_path / "run"
+    run = json.loads(run_file.read_text())
+    run["islands"] = [{"name": "a", "world_size": 2}]
+    run_file.write_text(json.dumps(run))
+    first = ds_diloco_run(run_file)
+    assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
+    assert (workdir / "islands" / "a" / "checkpoints" / "latest").read_text() == "step5"
+
+    run["islands"] = [{"name": "a", "world_size": 1}]
+    run["train"]["steps"] = 8  # not done yet: --resume starts it again
+    run["max_restarts"] = 0  # unfixed, the first failed launch ends the run
+    run_file.write_text(json.dumps(run))
+    resumed = ds_diloco_run(run_file, "--resume")
+    leftovers = kill_leftovers(workdir)
+    assert resumed.returncode == 0, logs(workdir, resumed.stdout + resumed.stderr)
+    assert leftovers.strip() == "", leftovers
+    log = (workdir / "islands" / "a" / "log.txt").read_text()
+    assert (
+        "written with world size 2, this island has world size 1: starting from the "
+        "global model; its AdamW state is not carried over" in log
+    ), log[-3000:]
+    lines = (workdir / "islands" / "a" / "progress.jsonl").read_text().splitlines()
+    starts = [r for line in lines if "started_at" in (r := json.loads(line))]
+    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (0, False)], starts
+    assert json.loads((workdir / "summary.json").read_text())["islands"]["a"]["steps"] == 8

@@ -657,7 +657,7 @@ def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_p
     monkeypatch.setattr(LocalRun, "spawn_coordinator", lambda self: None)
     monkeypatch.setattr(LocalRun, "stop", lambda self: None)
     monkeypatch.setattr(ds_diloco.data, "prepare_corpus", lambda *a, **k: (None, []))
-    monkeypatch.setattr(ds_diloco.data, "heldout_split", lambda *a, **k: ([], []))
+    monkeypatch.setattr(ds_diloco.data, "heldout_split", lambda *a, **k: ([None], []))  # one block
     monkeypatch.setattr(run_mod, "_drive", lambda cfg, lr, point: (0, None))
     monkeypatch.setattr(ds_diloco.export, "export", export)
     monkeypatch.setattr(run_mod, "evaluate", lambda *a: {})
