@@ -739,7 +739,10 @@ def test_a_state_written_for_another_model_is_refused(tiny_config_path, tmp_path
     other_path.write_text(json.dumps(other))
     with pytest.raises(ValueError, match="was written for another model"):
         make(str(other_path), tmp_path / "s", Clock(), policy=policy)
-    assert make(tiny_config_path, tmp_path / "s", Clock(), policy=policy).versions() == [0, 0]  # the same: fine
+    assert make(tiny_config_path, tmp_path / "s", Clock(), policy=policy).versions() == [
+        0,
+        0,
+    ]  # the same: fine
 
 
 def test_merge_counts_made_durable_after_the_last_table_save_survive_a_crash(
