@@ -641,6 +641,7 @@ def resume_point(cfg: RunConfig) -> dict:
     started again) or ``{"step": N}`` (its last checkpoint; 0: none, its inner loop starts
     over from the current global model). Raises ValueError when there is nothing to resume."""
     from ds_diloco.state_store import StateStore
+    from ds_diloco.zero import checkpoint_world_size
 
     state_dir = Path(cfg.coordinator.state_dir)
     if not StateStore(state_dir).exists():
@@ -658,7 +659,10 @@ def resume_point(cfg: RunConfig) -> dict:
             continue
         latest = d / "checkpoints" / "latest"
         tag = latest.read_text().strip() if latest.is_file() else ""
-        out[spec.name] = {"step": int(tag[4:]) if tag.startswith("step") else 0}
+        step = int(tag[4:]) if tag.startswith("step") else 0
+        if step and checkpoint_world_size(d / "checkpoints" / tag) not in (None, spec.world_size):
+            step = 0  # resized: the island starts from the global model (zero.load_checkpoint)
+        out[spec.name] = {"step": step}
     return out
 
 

@@ -185,4 +185,6 @@ def test_resumed_island_with_another_world_size_starts_from_the_global_model(
     lines = (workdir / "islands" / "a" / "progress.jsonl").read_text().splitlines()
     starts = [r for line in lines if "started_at" in (r := json.loads(line))]
     assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (0, False)], starts
-    assert json.loads((workdir / "summary.json").read_text())["islands"]["a"]["steps"] == 8
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["islands"]["a"]["steps"] == 8
+    assert summary["resumed_from"] == {"a": {"step": 0}}  # it said "from step 5"
