@@ -211,8 +211,11 @@ def train_tokenizer(
 
 _LOADERS = {".json": "from_json", ".jsonl": "from_json", ".parquet": "from_parquet"}
 """File suffix -> the ``datasets.Dataset`` constructor that reads it."""
-_SAVED_DATASET = ("dataset_info.json", "dataset_dict.json")
-"""A folder holding one of these was written by ``save_to_disk``."""
+
+
+def _saved_dataset(folder: str | os.PathLike) -> bool:
+    """A folder written by ``save_to_disk`` (loaded whole, not as files)."""
+    return any((Path(folder) / f).exists() for f in ("dataset_info.json", "dataset_dict.json"))
 
 
 def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
@@ -254,7 +257,7 @@ def load_text_dataset(
     if missing := [str(s) for s in sources if not os.path.exists(s)]:
         raise ValueError(f"load_text_dataset: no such files {missing}")
     folder = Path(sources[0])
-    saved = any((folder / f).exists() for f in _SAVED_DATASET)
+    saved = _saved_dataset(folder)
     if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder)):
         ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
         return _text_column(ds, text_field, split)
@@ -471,7 +474,7 @@ def prepare_corpus(
     local = os.path.exists(source)
     if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
         raise ValueError(f"data.path {str(source)!r} does not exist")
-    saved = local and any((Path(source) / f).exists() for f in _SAVED_DATASET)
+    saved = local and _saved_dataset(source)
     files = _corpus_files(Path(source)) if local and not saved else []
     cache = Path(cache_dir)
     if files:

@@ -780,7 +780,7 @@ class FragmentSyncer:
             for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
                 if self._stop.is_set():
                     break
-                if w is None or not (w < 0 or current[frag.index] != w):
+                if w is None or 0 <= w == current[frag.index]:  # nothing new to fetch
                     continue
                 if 0 <= current[frag.index] < w:  # older than ours: the coordinator went back
                     log.warning(

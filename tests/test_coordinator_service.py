@@ -310,6 +310,18 @@ def test_quorum_one_merges_without_waiting_for_others(tiny_config_path, tmp_path
         srv.stop()
 
 
+def upload_every_fragment(srv, tiny_config_path):
+    """Island "a" (one rank) uploads every fragment once against version 0; the client, the
+    global tensors it started from and its pseudo-gradient."""
+    client = client_for(srv)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    client.register("a", 1, plan.signature)
+    theta = srv.coord.global_tensors()
+    delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
+    upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
+    return client, theta, delta
+
+
 def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp_path):
     # A failure escaping the loop used to end its task silently: uploads were still
     # accepted, /healthz fine, and nothing ever merged again.
@@ -327,12 +339,7 @@ def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp
             return real(*a, **kw)
 
         srv.coord.schedule = failing_twice
-        client = client_for(srv)
-        plan = FragmentPlan.from_json(client.plan()["plan"])
-        client.register("a", 1, plan.signature)
-        theta = srv.coord.global_tensors()
-        delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
-        upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
+        client, _, _ = upload_every_fragment(srv, tiny_config_path)
         wait_versions(client, [1, 1, 1, 1])
         assert len(failures) == 2
     finally:
@@ -359,12 +366,7 @@ def test_a_merge_whose_durable_write_fails_is_retried_by_the_round_loop(tiny_con
             real_write(index, version, values, optim_state)
 
         store.write_fragment = write_fragment
-        client = client_for(srv)
-        plan = FragmentPlan.from_json(client.plan()["plan"])
-        client.register("a", 1, plan.signature)
-        theta = srv.coord.global_tensors()
-        delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
-        upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
+        client, theta, delta = upload_every_fragment(srv, tiny_config_path)
         wait_versions(client, [1, 1, 1, 1])  # the failed fragment too, after the backoff
         (index, version), status = failed[0], client.status()
         assert version == 1
