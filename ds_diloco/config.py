@@ -295,7 +295,8 @@ class TrainConfig:
     the loop is plain ZeRO-3 (nothing sent or applied). 0: in every step."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
-    many steps into the island's workdir; a restarted island resumes from it (0: never)."""
+    many steps, and at the last step, into the island's workdir; a restarted island resumes
+    from it, a finished one resumed with more steps from its end (0: never)."""
 
     def __post_init__(self):
         if self.checkpoint_every < 0:

@@ -195,7 +195,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if record and progress:
             progress.write(json.dumps(record) + "\n")
             progress.flush()
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+        # The last step too: a finished run resumed with more steps goes on from its end
+        # (it repeated the steps after its last periodic checkpoint).
+        if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
             zero.save_checkpoint(engine, ckpt_dir, step, {"step": step, "tokens": tokens})
     wall = time.perf_counter() - t_start
     learner.close(leave=True)  # done for good: no quorum should count on this island now

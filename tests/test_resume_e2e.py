@@ -157,8 +157,9 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(
 def test_resumed_island_with_another_world_size_starts_from_the_global_model(
     tmp_path, tiny_config_path, kill_leftovers
 ):
-    # One island of 2 ranks checkpoints at step 5 and finishes; resumed for more steps with
-    # 1 rank, DeepSpeed would refuse that checkpoint on every launch (the run ended, exit 1).
+    # One island of 2 ranks checkpoints at steps 5 and 6 (its last) and finishes; resumed for
+    # more steps with 1 rank, DeepSpeed would refuse that checkpoint on every launch (the run
+    # ended, exit 1).
     run_file = write_run_file(tmp_path, "run", {"config": tiny_config_path, "seed": 0}, 6,
                               checkpoint_every=5)  # fmt: skip
     workdir = tmp_path / "run"
@@ -167,7 +168,7 @@ def test_resumed_island_with_another_world_size_starts_from_the_global_model(
     run_file.write_text(json.dumps(run))
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
-    assert (workdir / "islands" / "a" / "checkpoints" / "latest").read_text() == "step5"
+    assert (workdir / "islands" / "a" / "checkpoints" / "latest").read_text() == "step6"
 
     run["islands"] = [{"name": "a", "world_size": 1}]
     run["train"]["steps"] = 8  # not done yet: --resume starts it again
@@ -188,3 +189,34 @@ def test_resumed_island_with_another_world_size_starts_from_the_global_model(
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["islands"]["a"]["steps"] == 8
     assert summary["resumed_from"] == {"a": {"step": 0}}  # it said "from step 5"
+
+
+@pytest.mark.timeout(300)
+def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
+    tmp_path, tiny_config_path, kill_leftovers
+):
+    # Checkpoints every 4 steps, 6 steps: the island used to resume from step 4 and train
+    # steps 5 and 6 a second time (on the same batches, counting their tokens twice).
+    run_file = write_run_file(tmp_path, "run", {"config": tiny_config_path, "seed": 0}, 6,
+                              checkpoint_every=4)  # fmt: skip
+    workdir = tmp_path / "run"
+    run = json.loads(run_file.read_text())
+    run["islands"] = [{"name": "a", "world_size": 1}]
+    run_file.write_text(json.dumps(run))
+    first = ds_diloco_run(run_file)
+    assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
+
+    run["train"]["steps"] = 8
+    run_file.write_text(json.dumps(run))
+    resumed = ds_diloco_run(run_file, "--resume")
+    leftovers = kill_leftovers(workdir)
+    assert resumed.returncode == 0, logs(workdir, resumed.stdout + resumed.stderr)
+    assert leftovers.strip() == "", leftovers
+    lines = (workdir / "islands" / "a" / "progress.jsonl").read_text().splitlines()
+    starts = [r for line in lines if "started_at" in (r := json.loads(line))]
+    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True)], starts
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from"] == {"a": {"step": 6}}
+    island = summary["islands"]["a"]
+    assert island["start_step"] == 6 and island["steps"] == 8
+    assert island["tokens"] == 8 * TOKENS_PER_STEP  # each step's tokens counted once
