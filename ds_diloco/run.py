@@ -304,7 +304,10 @@ class LocalRun:
         """Restart a coordinator that exited as an island is (``max_restarts``, ``_backoff``),
         and not before ``coordinator_hold_until``; past ``max_restarts`` the run stops
         (restarted at once and without end, a coordinator that crashed whenever it served
-        kept the run going round that loop)."""
+        kept the run going round that loop). The new one is spawned, not waited for: the
+        islands reach it when it is up, supervision goes on meanwhile, and one that exits
+        while starting is one more death (waited for, one that exited before it answered
+        stopped the run at once, and supervision stood still for up to 120 s)."""
         c = self.coordinator
         if c is None or self._stopping or c.poll() is None:
             return
@@ -327,7 +330,7 @@ class LocalRun:
             self.event("coordinator died", exit=c.returncode, restart_in_s=delay)
         if now >= max(self._coordinator_restart_at, self.coordinator_hold_until):
             self._coordinator_restart_at = None
-            self.start_coordinator()
+            self.spawn_coordinator()
             self.event("coordinator restarted", restart=self.coordinator_restarts)
 
     def finished(self) -> bool:

@@ -170,7 +170,10 @@ class StateStore:
         path = self.root / name
         if not path.is_file():
             return None
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:  # damaged outside us: name the file
+            raise ValueError(f"state file {path} is not valid JSON: {e}") from None
 
     def write_fragment(
         self, index: int, version: int, values: torch.Tensor, optim_state: dict[str, torch.Tensor]
@@ -189,7 +192,10 @@ class StateStore:
         path = self._frag_path(index)
         if not path.is_file():
             raise FileNotFoundError(f"state directory {self.root} lacks {path.name}")
-        meta, tensors = wire.decode(path.read_bytes())
+        try:
+            meta, tensors = wire.decode(path.read_bytes())
+        except wire.WireError as e:
+            raise ValueError(f"state file {path} is damaged: {e}") from None
         if int(meta["fragment"]) != index:
             raise ValueError(f"{path} holds fragment {meta['fragment']}, expected {index}")
         shapes = json.loads(meta["optim_shapes"])

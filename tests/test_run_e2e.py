@@ -362,6 +362,36 @@ def test_a_coordinator_that_keeps_dying_is_restarted_with_backoff_then_stops_the
     assert lr.coordinator_restarts == 2
 
 
+def test_a_restarted_coordinator_that_exits_while_starting_is_one_more_death(
+    tmp_path, tiny_config_path
+):
+    # Its state dir damaged, every restart exits before it answers. The restart used to wait
+    # for it and stop the run at the first such exit, and supervision stood still meanwhile
+    # (up to 120 s); now each is a death like any other, restarted after its backoff.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_restarts": 2,
+                                "restart_backoff_s": 0.2}))  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    try:
+        lr.start_coordinator()
+        os.killpg(lr.coordinator.pid, signal.SIGKILL)
+        lr.coordinator.wait()
+        (Path(lr.cfg.coordinator.state_dir) / "coordinator.json").write_text("{")
+        deadline = time.monotonic() + 120
+        with pytest.raises(run_mod.CoordinatorStartError) as e:
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                lr.supervise()
+                assert time.monotonic() - t0 < 2.0  # never waits for the new coordinator
+                time.sleep(0.05)
+    finally:
+        lr.stop()
+    assert "died 3 times, more than max_restarts (2)" in str(e.value), e.value
+    assert "coordinator.json is not valid JSON" in str(e.value), e.value  # its last line
+    died = [x["event"] for x in lr.events if x["event"].startswith("coordinator")]
+    assert died == ["coordinator died", "coordinator restarted"] * 2 + ["coordinator given up"]
+
+
 def test_a_coordinator_killed_on_purpose_by_a_chaos_schedule_is_no_death(
     tmp_path, tiny_config_path
 ):

@@ -124,3 +124,18 @@ def test_writers_of_the_same_file_never_mix(tmp_path):
     for t in threads:
         t.join()
     assert path.read_bytes() in contents
+
+
+def test_a_state_file_damaged_outside_the_coordinator_is_named_in_the_error(tmp_path):
+    # A coordinator restarted on such a directory said only "Expecting property name
+    # enclosed in double quotes: line 1 column 2" (which file?).
+    store = StateStore(tmp_path)
+    store.write_json("coordinator.json", {"plan": 1})
+    store.write_fragment(0, 3, torch.arange(4.0), {})
+    (tmp_path / "coordinator.json").write_text("{")
+    with pytest.raises(ValueError, match=r"state file .*coordinator\.json is not valid JSON"):
+        store.read_json("coordinator.json")
+    path = tmp_path / "fragments" / "frag-00000.safetensors"
+    path.write_bytes(path.read_bytes()[:20])  # truncated
+    with pytest.raises(ValueError, match=r"state file .*frag-00000\.safetensors is damaged"):
+        store.read_fragment(0)
