@@ -121,6 +121,9 @@ class CoordinatorClient:
         self._conns = weakref.WeakKeyDictionary()
         self._interrupted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._conns_lock = threading.Lock()
+        # The last connection attempt, from any thread, failed (no answer since): the
+        # coordinator is gone for now. Read by FragmentSyncer.finish.
+        self.unreachable = False
 
     def with_limits(self, timeout_s: float, retries: int = 0) -> CoordinatorClient:
         """A new client to the same coordinator (connections of its own) that waits at most
@@ -203,6 +206,8 @@ class CoordinatorClient:
                 r = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
+                if not connected:
+                    self.unreachable = True
                 self._check_interrupt()  # woken by interrupt(): no retry, no backoff
                 if connected and isinstance(e, TimeoutError):
                     raise  # no answer in time: the request may be in progress, not retried
@@ -217,6 +222,7 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
                 continue
+            self.unreachable = False
             if r.status >= 400:
                 data = r.read()
                 try:

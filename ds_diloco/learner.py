@@ -130,6 +130,7 @@ class Learner:
         )  # fmt: skip
         self.syncer.bootstrap()  # every rank now holds the global model, the same versions
         self._seen_step = engine.global_steps
+        self._first = True  # the next optimizer step must be the engine's next
         self._tokens = 0
         self._closed = False
 
@@ -138,7 +139,12 @@ class Learner:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return probe.plan()
+                info = probe.plan()
+            except ValueError as e:  # an answer, not JSON: another service at that address
+                raise LearnerError(
+                    f"island {self.island!r}: {probe.url} answered, but not as a ds_diloco "
+                    f"coordinator ({e})"
+                ) from None
             except TRANSPORT_ERRORS as e:
                 if time.monotonic() >= deadline:
                     raise LearnerError(
@@ -146,6 +152,13 @@ class Learner:
                         f"after {timeout_s:g} s: {e}"
                     ) from e
                 time.sleep(0.5)
+                continue
+            if not (isinstance(info, dict) and {"plan", "signature", "schedule"} <= info.keys()):
+                raise LearnerError(
+                    f"island {self.island!r}: {probe.url} answered, but not as a ds_diloco "
+                    f"coordinator (no plan in its answer)"
+                )
+            return info
 
     def _all(self, fn):
         """Run ``fn`` on this rank; if it failed on any rank of the island, raise on all."""
@@ -227,6 +240,15 @@ class Learner:
         step = self.engine.global_steps
         if step == self._seen_step:  # not an optimizer step: a micro-batch of an accumulation
             return []
+        if step < self._seen_step or (self._first and step != self._seen_step + 1):
+            # The same on every rank (their engines step together). Unnoticed, the next
+            # upload would carry global - checkpoint: a pull back towards an older model.
+            raise LearnerError(
+                f"island {self.island!r}: engine.global_steps went from {self._seen_step} to "
+                f"{step}: a checkpoint loaded after the Learner was built? Load it first: the "
+                "Learner takes the global model over the engine's weights when it joins"
+            )
+        self._first = False
         self._seen_step = step
         tokens, self._tokens = self._tokens, 0
         return self.syncer.on_step(step, tokens)
@@ -243,32 +265,33 @@ class Learner:
         self,
         leave: bool = True,
         take_global: bool = False,
-        flush: bool | None = None,
+        flush: bool = True,
         flush_timeout_s: float = 60.0,
     ) -> list[int] | None:
         """Send what is queued and stop; every rank calls it.
 
         ``leave``: this island is done for good (False for one that will come back,
         e.g. stopping to restart from a checkpoint: its lease then runs out).
-        ``flush`` (default: ``leave``): first send every fragment's steps since its
-        last apply and wait, at most ``flush_timeout_s``, until they are merged
+        ``flush`` (default True): first send every fragment's steps since its last
+        apply and wait, at most ``flush_timeout_s``, until they are merged
         (:meth:`FragmentSyncer.flush`), so the global model has the island's last
-        steps. Not for an island that comes back: its checkpoint still holds them.
+        steps. An island that comes back gets them only this way: a new Learner starts
+        from the global model (a DeepSpeed checkpoint brings back AdamW state, step and
+        data position; its weights are overwritten). ``__exit__`` after an error does
+        not flush (the ranks may not all be here).
         ``take_global``: then load the current global model into the engine on every
         rank (to evaluate or save the merged model) and return its versions.
+        A coordinator found gone at the end (no connection) is tried once more, for at
+        most ``syncer.GONE_RETRY_S``, to leave and to take the global model.
         """
         if self._closed:
             return None
         self._closed = True
-        if leave if flush is None else flush:
-            self.syncer.flush(flush_timeout_s)
-        self.syncer.close()
-        if leave and self.rank == 0:  # no quorum should count on this island any more
-            self.syncer.leave()
-        if not take_global:
-            return None
-        try:
-            return self.syncer.take_global()
+        try:  # leave: no quorum should count on this island any more
+            return self.syncer.finish(
+                leave=leave, take_global=take_global, flush_timeout_s=flush_timeout_s,
+                flush=flush,
+            )  # fmt: skip
         except RuntimeError as e:  # raised on every rank together; the local model is intact
             raise LearnerError(f"island {self.island!r}: {e}") from e
 

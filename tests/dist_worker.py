@@ -189,7 +189,38 @@ def scenario_no_token(spec, rank, world):
     return {"error": None}
 
 
+def scenario_checkpoint_under_learner(spec, rank, world):
+    """A DeepSpeed checkpoint loaded under a running Learner (steps go back), and one loaded
+    after the Learner was built (it took the global model first): both refused, every rank."""
+    from ds_diloco.learner import Learner, LearnerError
+
+    ids, labels = batch(spec["write_batch_seed"], spec["vocab"])
+    errors = []
+    engine = engine_for(spec, seed=0)
+    learner = Learner(engine, spec["ckpt_url"], "ckpt", token=spec["token"])
+    for step in range(1, 4):
+        train_step(engine, ids, labels)
+        learner.step(ids.numel())
+        if step == 1:
+            engine.save_checkpoint(spec["ckpt_dir"], tag="s1")
+    for late in (False, True):
+        if late:  # a new launch: the Learner joins, then the checkpoint is loaded
+            learner.close(leave=False, flush=False)
+            engine = engine_for(spec, seed=0)
+            learner = Learner(engine, spec["ckpt_url"], "ckpt", token=spec["token"])
+        engine.load_checkpoint(spec["ckpt_dir"], tag="s1")
+        train_step(engine, ids, labels)
+        try:
+            learner.step(ids.numel())
+            errors.append(None)
+        except LearnerError as e:
+            errors.append(str(e))
+    learner.close(leave=True, flush=False)
+    return {"errors": errors}
+
+
 SCENARIOS = {
+    "checkpoint_under_learner": scenario_checkpoint_under_learner,
     "minmax": scenario_minmax,
     "shards": scenario_shards,
     "write": scenario_write,

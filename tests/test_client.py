@@ -233,6 +233,7 @@ def test_unreachable_is_retried_with_backoff_then_raised(caplog):
     assert time.perf_counter() - t0 >= 0.05 + 0.1  # two waits, doubling
     assert caplog.text.count("retry") == 2
     assert issubclass(ConnectionRefusedError, TRANSPORT_ERRORS)
+    assert c.unreachable  # no connection: the coordinator is gone for now (finish() asks)
 
 
 def test_no_answer_in_time_is_raised_at_once_not_retried():
@@ -243,6 +244,18 @@ def test_no_answer_in_time_is_raised_at_once_not_retried():
         with pytest.raises(TimeoutError):
             c.versions()
         assert time.perf_counter() - t0 < 0.9 and srv.paths == ["/v1/versions"]
+        assert not c.unreachable  # connected, only slow
+    finally:
+        srv.close()
+
+
+def test_an_answer_clears_unreachable():
+    srv = _Server(_ok)
+    try:
+        c = CoordinatorClient(srv.url, "t")
+        c.unreachable = True  # as after a failed connection
+        c.versions()
+        assert not c.unreachable
     finally:
         srv.close()
 

@@ -159,6 +159,35 @@ def test_a_wrong_coordinator_address_fails_fast_with_the_address(tiny_config_pat
     assert f"coordinator {url} not reachable after 2 s" in proc.stderr, output(proc)
 
 
+def test_an_address_that_is_another_service_is_named_as_such(tiny_config_path, tmp_path):
+    # A web page where the coordinator should be gave a bare JSONDecodeError on each rank.
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"<html></html>")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        proc = run_single(
+            EXAMPLES / "deepspeed_loop.py", common_args(tiny_config_path, tmp_path, url)
+        )
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert proc.returncode != 0
+    assert f"{url} answered, but not as a ds_diloco coordinator" in proc.stderr, output(proc)
+
+
 def test_a_wrong_token_is_refused_by_the_coordinator(coordinator, tiny_config_path, tmp_path):
     args = common_args(tiny_config_path, tmp_path, coordinator.url)
     proc = run_single(EXAMPLES / "deepspeed_loop.py", args, DS_DILOCO_TOKEN="not-the-token")

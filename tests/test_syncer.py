@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import server as server_mod
+from ds_diloco import syncer as syncer_mod
 from ds_diloco import wire
 from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.client import CoordinatorClient
@@ -277,6 +278,25 @@ def test_taking_the_global_model_from_a_coordinator_that_is_gone_gives_up_saying
     with pytest.raises(RuntimeError, match=r"could not take the global model .* did not answer"):
         s.take_global(timeout_s=1.0)
     assert time.monotonic() - t0 < 15.0  # one attempt: a download each, with its retries
+
+
+def test_finishing_with_a_coordinator_gone_tries_it_once_more_not_for_every_wait(
+    tiny_config_path, tmp_path
+):
+    # Learner.close(take_global=True) through the HF callback, coordinator down: the flush
+    # (its bound), then leave with all its retries, then take_global for 120 s: 193 s seen,
+    # where 120 were promised. Found gone by the flush, the last two try once, briefly.
+    srv = ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1))
+    client = CoordinatorClient(srv.url, "t", retries=3, backoff_s=0.5)
+    (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+    s.bootstrap()
+    train(s, range(1, 4))
+    srv.stop()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not take the global model .* did not answer"):
+        s.finish(leave=True, take_global=True, flush=True, flush_timeout_s=2.0)
+    assert client.unreachable
+    assert time.monotonic() - t0 < 2.0 + syncer_mod.GONE_RETRY_S + 5.0
 
 
 def test_an_island_whose_training_went_silent_lets_its_lease_lapse(

@@ -9,6 +9,7 @@ last rank's ZeRO-3 partition of those carries a padding element.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -133,9 +134,20 @@ def island(tmp_path_factory):
         num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
         token="t",
     )  # fmt: skip
-    with ServerThread(cfg) as srv:
+    # A coordinator of its own for the checkpoint scenario: the others' results are read
+    # from this one's versions and tensors after every scenario ran.
+    other = dataclasses.replace(cfg, state_dir=str(out / "state-ckpt"))
+    with ServerThread(cfg) as srv, ServerThread(other) as srv_ckpt:
         spec = {
-            "scenarios": ["minmax", "shards", "write", "syncer", "pretrained", "no_token"],
+            "scenarios": [
+                "minmax",
+                "shards",
+                "write",
+                "syncer",
+                "pretrained",
+                "no_token",
+                "checkpoint_under_learner",
+            ],
             "pretrained": str(pretrained),
             "model_config": str(model_config),
             "deepspeed_config": str(DS_CONFIG),
@@ -147,6 +159,8 @@ def island(tmp_path_factory):
             "write_batch_seed": 5,
             "url": srv.url,
             "token": "t",
+            "ckpt_dir": str(out / "ckpt"),
+            "ckpt_url": srv_ckpt.url,
             "steps": 2,
         }
         global0 = srv.coord.global_tensors()
@@ -326,3 +340,13 @@ def test_a_token_missing_on_one_rank_is_raised_on_every_rank(island):
     with_token, without = [r["error"] for r in island.both("no_token")]
     assert without is not None and "DS_DILOCO_TOKEN" in without, without
     assert with_token is not None and "on ranks [1]" in with_token, with_token
+
+
+def test_a_checkpoint_loaded_under_the_learner_is_refused_on_every_rank(island):
+    # Unnoticed, the next upload carried global - checkpoint (a pull back towards an older
+    # model), and versions() named what the model no longer held.
+    for errors in (r["errors"] for r in island.both("checkpoint_under_learner")):
+        back, late = errors
+        assert back is not None and "global_steps went from 3 to 2" in back, errors
+        assert late is not None and "global_steps went from 0 to 2" in late, errors
+        assert "Load it first" in late, errors
