@@ -196,6 +196,37 @@ class _Island:
         return isl
 
 
+def _merged_by(old: dict[str, dict], counted) -> dict[str, dict]:
+    """A fragment's ``merged_by`` after merging the contributions ``counted``."""
+    new = dict(old)
+    for c in counted:
+        m = new.get(c.island, {"merges": 0, "tokens": 0, "steps": 0})
+        new[c.island] = {"incarnation": c.incarnation, "step": c.step,
+                         "merges": m["merges"] + 1, "tokens": m["tokens"] + c.tokens,
+                         "steps": m["steps"] + c.steps}  # fmt: skip
+    return new
+
+
+def _restore_merge_marks(islands: dict[str, _Island], merged_by: list[dict]) -> None:
+    """Bring the island table (saved now and then) up to the fragment files (written with
+    every merge): a contribution merged after the table's last save is a replay if sent
+    again (it was merged twice after a crash), and counts as merged."""
+    for name, isl in islands.items():
+        marks = [(f, m[name]) for f, m in enumerate(merged_by) if name in m]
+        if not marks:
+            continue
+        for key in ("merges", "tokens", "steps"):  # per fragment, over all registrations
+            total = sum(m[key] for _, m in marks)
+            attr = {"merges": "merged", "tokens": "tokens_merged", "steps": "steps_merged"}[key]
+            setattr(isl, attr, max(getattr(isl, attr), total))
+        for f, m in marks:
+            if m["incarnation"] != isl.registrations:
+                continue  # registered again since: it may count its steps from a checkpoint
+            isl.last_step = max(isl.last_step, m["step"])
+            for rank in range(isl.world_size):
+                isl.uploads[(f, rank)] = max(isl.uploads.get((f, rank), -1), m["step"])
+
+
 def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
     """Refuse an upload or leave from a process an island's later registration superseded."""
     if incarnation != isl.registrations:
@@ -258,6 +289,11 @@ class _FragmentState:
         self.retry_at: float | None = None  # no merge before (clock time), after a failure
         self.last_failure: dict = {}
         self.saved_version = -1
+        # island -> {"incarnation", "step", "merges", "tokens", "steps"}: the last merged
+        # contribution's registration and step, and the island's merges into this fragment.
+        # Written with the fragment (durable with the merge): after a crash, an upload
+        # merged since the table's last save is still a replay, and its counts are kept.
+        self.merged_by: dict[str, dict] = {}
         self.last_merge: dict = {}
         self.grad = torch.empty(fragment.numel)
         # When the rounds that made recent versions got their first contribution (clock
@@ -384,7 +420,7 @@ class Coordinator:
         hwm = self.store.read_json("versions.json") or {}
         merges_at = state.get("merges_at")  # the versions the merge counts were saved at
         for frag in plan.fragments:
-            version, values, optim = self.store.read_fragment(frag.index)
+            version, values, optim, merged_by = self.store.read_fragment_state(frag.index)
             # Written with durable merges, the file holds the last served version. Otherwise a
             # version may have been served after the last save: never reuse its number.
             served = version if state.get("durable_merges") else hwm.get(str(frag.index), version)
@@ -396,9 +432,11 @@ class Coordinator:
             if merges_at is not None:  # merges made durable after the table's last save
                 fs.merges += max(0, version - merges_at[frag.index])
             fs.merges_at = version
+            fs.merged_by = merged_by
             self._frags.append(fs)
         now = self.clock()
         self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
+        _restore_merge_marks(self._islands, [fs.merged_by for fs in self._frags])
         self._xi_quorum = Ema.from_dict(state["xi_quorum"])
         self._xi_sync = Ema.from_dict(state["xi_sync"])
         self.metrics = RunMetrics.from_dict(state.get("metrics"), self.cfg.uptime_window_s)
@@ -417,8 +455,9 @@ class Coordinator:
             try:
                 if all_fragments or fs.version != fs.saved_version:
                     self.store.write_fragment(  # the read lock keeps the outer state still
-                        fs.fragment.index, fs.version, fs.values, fs.optimizer.state_dict(False)
-                    )
+                        fs.fragment.index, fs.version, fs.values,
+                        fs.optimizer.state_dict(False), fs.merged_by,
+                    )  # fmt: skip
                     fs.saved_version = fs.version
                     written += 1
             finally:
@@ -1034,6 +1073,7 @@ class Coordinator:
         norms = {c.island: c.norm() for c in contribs}
         counted = [c for c in contribs if weights[c.row] > 0]
         merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
+        merged_by = _merged_by(fs.merged_by, counted)
         values = fs.copy_values()  # the served values stay as they are for the downloads
         before, lent = self._copy_outer_state(fs)  # the step writes the momentum in place
         fs.lock.acquire_write()
@@ -1041,7 +1081,7 @@ class Coordinator:
             try:
                 fs.optimizer.step(values, grad)
                 if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
-                    self._make_durable(fs, values, version + 1)
+                    self._make_durable(fs, values, version + 1, merged_by)
                 else:
                     self._reserve(fs.fragment.index, version + 1)
             except BaseException:  # all or nothing: the outer state as before, nothing served
@@ -1049,6 +1089,7 @@ class Coordinator:
                 fs._recycle(values)
                 raise
             fs.publish(version + 1, values)
+            fs.merged_by = merged_by
         finally:
             fs.lock.release_write()
             self._scratch.extend(lent)
@@ -1116,7 +1157,9 @@ class Coordinator:
             state[k] = buf[: v.numel()].copy_(v)  # 1-D fp32, as every outer state vector
         return state, lent
 
-    def _make_durable(self, fs: _FragmentState, values: torch.Tensor, version: int) -> None:
+    def _make_durable(
+        self, fs: _FragmentState, values: torch.Tensor, version: int, merged_by: dict
+    ) -> None:
         """Write the merged fragment (values + outer optimizer state) before it is served.
 
         A version is acknowledged once an island can see it; with this, every
@@ -1126,7 +1169,7 @@ class Coordinator:
         """
         try:
             self.store.write_fragment(  # under the write lock: nothing changes while it writes
-                fs.fragment.index, version, values, fs.optimizer.state_dict(False)
+                fs.fragment.index, version, values, fs.optimizer.state_dict(False), merged_by
             )
         except BaseException:
             # The file may hold this unserved attempt: the next save writes the served state.

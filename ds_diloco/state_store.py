@@ -4,7 +4,8 @@ Layout of ``state_dir``:
   coordinator.json          plan, island table, counters (JSON)
   model/config.json         the global model's Hugging Face config (for export)
   versions.json             version high-water marks, written before a version is served
-  fragments/frag-00007.safetensors   global values + outer optimizer state of fragment 7
+  fragments/frag-00007.safetensors   global values + outer optimizer state of fragment 7,
+                                     and each island's last merged step and counts in it
 
 Every file is written whole under another name, fsynced, renamed over the old
 one, and the directory fsynced, so a crash leaves either the old or the new file.
@@ -176,19 +177,36 @@ class StateStore:
             raise ValueError(f"state file {path} is not valid JSON: {e}") from None
 
     def write_fragment(
-        self, index: int, version: int, values: torch.Tensor, optim_state: dict[str, torch.Tensor]
+        self,
+        index: int,
+        version: int,
+        values: torch.Tensor,
+        optim_state: dict[str, torch.Tensor],
+        merged_by: dict | None = None,
     ) -> None:
-        """Written from the tensors' own memory: they must not change until this returns."""
+        """Written from the tensors' own memory: they must not change until this returns.
+
+        ``merged_by``: what the coordinator must know of the merges in this version as
+        surely as the version itself (JSON; :meth:`read_fragment_state`)."""
         tensors = {
             "values": values,
             **{f"optim.{k}": v.reshape(-1) for k, v in optim_state.items()},
         }
         shapes = {k: list(v.shape) for k, v in optim_state.items()}
         meta = {"fragment": str(index), "version": str(version), "optim_shapes": json.dumps(shapes)}
+        if merged_by is not None:
+            meta["merged_by"] = json.dumps(merged_by, sort_keys=True)
         parts = wire.encode_parts(tensors, meta).parts
         atomic_write(self._frag_path(index), parts, keep_spare=True)
 
     def read_fragment(self, index: int) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+        version, values, optim, _ = self.read_fragment_state(index)
+        return version, values, optim
+
+    def read_fragment_state(
+        self, index: int
+    ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor], dict]:
+        """Version, values, outer optimizer state and ``merged_by`` ({} if none was written)."""
         path = self._frag_path(index)
         if not path.is_file():
             raise FileNotFoundError(f"state directory {self.root} lacks {path.name}")
@@ -200,4 +218,5 @@ class StateStore:
             raise ValueError(f"{path} holds fragment {meta['fragment']}, expected {index}")
         shapes = json.loads(meta["optim_shapes"])
         optim = {k: tensors[f"optim.{k}"].clone().view(shapes[k]) for k in shapes}
-        return int(meta["version"]), tensors["values"].clone(), optim
+        merged_by = json.loads(meta.get("merged_by", "{}"))
+        return int(meta["version"]), tensors["values"].clone(), optim, merged_by

@@ -15,7 +15,7 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
-from ds_diloco.merge import NormGuard
+from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 
@@ -760,6 +760,43 @@ def test_merge_counts_made_durable_after_the_last_table_save_survive_a_crash(
     del coord  # a crash: no save
     again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
     assert again.versions() == [3, 0] and again.status()["merges"] == [3, 0]
+
+
+DISCOUNT = StalenessPolicy(mode="discount")
+
+
+def test_an_upload_merged_before_a_crash_is_a_replay_after_it(tiny_config_path, tmp_path):
+    # The replay marks and the island's counts reached disk only with the table (every 10
+    # merges): after a SIGKILL the same upload sent again was merged a second time (a
+    # discounted stale contribution: version 1 -> 2), and the island's merges read 0.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, staleness=DISCOUNT)
+    coord.register("a", 2, coord.plan.signature)
+    send(coord, "a", 0, step=2, world_size=2, tokens=300, steps=2)
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    del coord  # a crash: no save
+    again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, staleness=DISCOUNT)
+    before = again.global_tensors()
+    for rank in (0, 1):
+        with pytest.raises(CoordinatorError, match="replayed upload") as e:
+            replay = again.plan.fragments[0]
+            header = wire.UploadHeader(
+                island="a", rank=rank, world_size=2, fragment=0, base_version=0, step=2,
+                tokens=300, steps=2, incarnation=1,
+            )  # fmt: skip
+            full = {p.name: torch.ones(p.shape) * 1e-3 for p in replay.params}
+            again.upload(wire.encode_upload(header, rank_slices(replay, full, 2, rank)))
+        assert e.value.status == 409
+    assert not again.poll(0).merge and again.versions() == [1, 0]
+    after = again.global_tensors()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    island = again.status()["islands"]["a"]
+    assert (island["merged"], island["tokens_merged"], island["dropped"]) == (1, 300, 0), island
+    # Its next step is new; and registered again (a restart from a checkpoint) it may count
+    # its steps from 1 again.
+    assert send(again, "a", 0, step=4, world_size=2)["status"] == "accepted"
+    again.register("a", 2, again.plan.signature)
+    assert send(again, "a", 1, step=2, world_size=2, incarnation=2)["status"] == "accepted"
 
 
 def test_a_superseded_launch_is_told_so_whatever_its_world_size(tiny_config_path, tmp_path):

@@ -359,11 +359,11 @@ def test_a_merge_whose_durable_write_fails_is_retried_by_the_round_loop(tiny_con
         store, failed = srv.coord.store, []
         real_write = store.write_fragment
 
-        def write_fragment(index, version, values, optim_state):
+        def write_fragment(index, version, values, optim_state, merged_by=None):
             if not failed:  # the first merge's write: the disk is full, once
                 failed.append((index, version))
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real_write(index, version, values, optim_state)
+            real_write(index, version, values, optim_state, merged_by)
 
         store.write_fragment = write_fragment
         client, theta, delta = upload_every_fragment(srv, tiny_config_path)
