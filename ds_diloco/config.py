@@ -463,6 +463,8 @@ class RunConfig:
             raise ValueError(f"islands: names must be unique, got {names}")
         if self.export_every_merges < 0:
             raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
+        if self.push_to_hub is not None and not self.push_to_hub.strip():
+            raise ValueError("push_to_hub: empty; name a Hub repo (OWNER/NAME) or leave it out")
         if self.max_restarts < 0 or not _finite(self.restart_backoff_s):
             raise ValueError(
                 "max_restarts and restart_backoff_s must be >= 0 (and finite), got "
@@ -636,28 +638,41 @@ def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
     if isinstance(data.get("model"), dict):
         model = dict(data["model"])
         for key in ("pretrained", "config"):
+            if model.get(key) == "":
+                raise ValueError(f"model.{key}: an empty path; leave the key out")
             if _relative(model.get(key)):
                 model[key] = str(base / model[key])
         data["model"] = model
+    if data.get("state_dir") == "":  # not the working directory
+        raise ValueError("state_dir: an empty path; give the folder for the coordinator's state")
     if _relative(data.get("state_dir")):
         data["state_dir"] = str(base / data["state_dir"])
     cfg = from_dict(CoordinatorConfig, data)
     _check_model(cfg.model, "model")
+    _check_state_dir(cfg.state_dir, "state_dir")
     return cfg
+
+
+def _check_state_dir(state_dir: str, where: str) -> None:
+    if Path(state_dir).exists() and not Path(state_dir).is_dir():
+        raise ValueError(f"{where} {state_dir!r} is a file, not a folder")
 
 
 def _relative(value) -> bool:
     return isinstance(value, str) and bool(value) and not Path(value).is_absolute()
 
 
-def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...]) -> dict:
+def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...], where: str = "") -> dict:
     """Dotted ``keys`` of ``data`` that hold relative paths, made relative to ``base``."""
     data = dict(data)
     for key in keys:
         head, _, rest = key.partition(".")
         if rest:
             if isinstance(data.get(head), dict):
-                data[head] = _resolve_paths(data[head], base, (rest,))
+                data[head] = _resolve_paths(data[head], base, (rest,), f"{where}{head}.")
+        elif data.get(head) == "":
+            # Not the working directory: a fresh run clears its workdir's state/, islands/...
+            raise ValueError(f"{where}{head}: an empty path; leave the key out for its default")
         elif _relative(data.get(head)) and (
             head in _ALWAYS or data[head].startswith(("./", "../")) or (base / data[head]).exists()
         ):
@@ -674,9 +689,17 @@ FILE_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path
               "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
 
 
-def _check_model(model: ModelSource, where: str) -> None:
-    """A pretrained model is a folder (else loading it fails later, in every process)."""
-    if model.pretrained is None or Path(model.pretrained).is_dir():
+def _check_model(model: ModelSource, where: str, contents: bool = False) -> None:
+    """A pretrained model is a folder (else loading it fails later, in every process).
+    ``contents`` (what islands load): the folder holds a model's config.json, and a model
+    config written as a path is one (else every rank fails in a transformers traceback)."""
+    if contents and model.config is not None and os.path.isabs(model.config):  # else a name
+        _check_model_config(Path(model.config), f"{where}.config")
+    if model.pretrained is None:
+        return
+    if Path(model.pretrained).is_dir():
+        if contents:
+            _check_model_config(Path(model.pretrained), f"{where}.pretrained")
         return
     path = os.path.normpath(model.pretrained)
     if "smollm2" in path.lower():  # launch/finetune-smollm2.yaml's model (launch/finetune.sh)
@@ -687,6 +710,23 @@ def _check_model(model: ModelSource, where: str) -> None:
         f"{where}.pretrained {path!r} is not a folder (a Hugging Face model folder: "
         f"config.json + safetensors); {hint}"
     )
+
+
+def _check_model_config(path: Path, where: str) -> None:
+    """``path`` (a config.json, or a folder holding one) is a Hugging Face model config."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        what = "holds no config.json" if path.is_dir() else "does not exist"
+        raise ValueError(f"{where} {str(path)!r} {what}")
+    try:
+        raw = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: {str(file)!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(
+            f"{where}: {str(file)!r} is not a Hugging Face model config (no model_type); "
+            "model configs are in model_configs/"
+        )
 
 
 def _model_vocab_size(model: ModelSource) -> int | None:
@@ -705,7 +745,9 @@ def _model_vocab_size(model: ModelSource) -> int | None:
 
 def _check_files(cfg: IslandConfig | RunConfig) -> None:
     """What the islands open, checked once at load instead of failing in every rank."""
-    _check_model(cfg.model, "model")
+    _check_model(cfg.model, "model", contents=True)
+    if Path(cfg.workdir).exists() and not Path(cfg.workdir).is_dir():
+        raise ValueError(f"workdir {cfg.workdir!r} is a file, not a folder")
     vocab = _model_vocab_size(cfg.model)
     if cfg.data.tokenizer is None and vocab is not None and cfg.data.vocab_size > vocab:
         # Token ids >= the embedding's rows: an IndexError at the first forward.
@@ -754,10 +796,13 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     if not isinstance(coord, dict):
         raise ValueError("coordinator: expected a mapping")
     # Its model is the run's (refused if it differs), resolved like the run's.
-    coord = _resolve_paths(coord, base, ("state_dir", "model.pretrained", "model.config"))
+    coord = _resolve_paths(
+        coord, base, ("state_dir", "model.pretrained", "model.config"), "coordinator."
+    )
     coord.setdefault("model", data["model"])
     coord.setdefault("state_dir", str(Path(workdir) / "state"))
     # The run's model first: its errors are named 'model', not 'coordinator.model'.
     cfg = from_dict(RunConfig, {"model": data["model"], **data, "coordinator": coord})
     _check_files(cfg)
+    _check_state_dir(cfg.coordinator.state_dir, "coordinator.state_dir")
     return cfg

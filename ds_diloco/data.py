@@ -328,6 +328,13 @@ def split_blocks(blocks: torch.Tensor, num_shards: int, shard: int) -> torch.Ten
     return blocks[shard::num_shards]
 
 
+def check_source(source: str) -> None:
+    """A local ``data.path`` that does not exist, said before a run clears or starts anything
+    (relative paths that do not exist are left to be dataset names, as everywhere)."""
+    if os.path.isabs(source) and not os.path.exists(source):
+        raise ValueError(f"data.path {str(source)!r} does not exist")
+
+
 def check_shards(train_blocks: int, world_sizes: dict[str, int]) -> None:
     """Raise, naming the island, if :func:`split_blocks` (islands, then each island's
     ranks) would leave a rank without a block. ``ds-diloco run`` checks it before it

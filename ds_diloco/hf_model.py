@@ -44,17 +44,24 @@ def initial_params(source: ModelSource, save_config_to: str | None = None):
     return [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]
 
 
-def model_signature(source: ModelSource) -> str:
-    """The parameter signature (names, shapes, order) of the model ``source`` describes,
-    built on the meta device: no weights are made or read."""
+def model_specs(source: ModelSource) -> list:
+    """The parameters (``fragments.ParamSpec``: names, shapes, in order) of the model
+    ``source`` describes, built on the meta device: no weights are made or read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_diloco.fragments import param_specs, signature
+    from ds_diloco.fragments import param_specs
 
     config = AutoConfig.from_pretrained(source.pretrained or source.config)
     with torch.device("meta"):  # (accelerate's init_empty_weights left tied weights apart)
         model = AutoModelForCausalLM.from_config(config)
-    return signature(param_specs(model.named_parameters()))
+    return param_specs(model.named_parameters())
+
+
+def model_signature(source: ModelSource) -> str:
+    """The parameter signature (names, shapes, order) of the model ``source`` describes."""
+    from ds_diloco.fragments import signature
+
+    return signature(model_specs(source))
 
 
 def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,37 @@ class CoordinatorStartError(RuntimeError):
     than ``max_restarts`` times and is not started again."""
 
 
+def check_islands_inputs(cfg: RunConfig) -> None:
+    """What only the coordinator or the ranks would find, checked before any island starts
+    (found there, it came after every island's ranks had been launched, or in each rank's
+    log, restarted up to max_restarts times): the fragment plan against the model, and the
+    DeepSpeed config against DeepSpeed's own schema."""
+    from ds_diloco.fragments import FragmentPlan
+    from ds_diloco.hf_model import model_specs
+    from ds_diloco.island import deepspeed_config
+
+    c = cfg.coordinator
+    try:
+        FragmentPlan.build(model_specs(cfg.model), c.num_fragments, c.fragmentation)
+    except ValueError as e:
+        raise ValueError(f"coordinator: {e}") from None
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks get it (_env)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    spec = cfg.islands[0]  # the same file for every island; world size 1 here (no world)
+    island = IslandConfig(island=spec.name, coordinator_url="http://127.0.0.1:1", model=cfg.model,
+                          deepspeed_config=cfg.deepspeed_config, data=cfg.data, train=cfg.train)  # fmt: skip
+    try:
+        DeepSpeedConfig(deepspeed_config(island, 1))
+    except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
+        first = str(e).strip().splitlines()
+        raise ValueError(
+            f"deepspeed_config {cfg.deepspeed_config!r} is refused by DeepSpeed: "
+            + "; ".join(line.strip() for line in first[:4])
+        ) from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -751,7 +782,13 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
 
 def run(cfg: RunConfig, resume: bool = False) -> int:
     """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
-    from ds_diloco.data import check_shards, heldout_split, prepare_corpus, tokenizer_dir
+    from ds_diloco.data import (
+        check_shards,
+        check_source,
+        heldout_split,
+        prepare_corpus,
+        tokenizer_dir,
+    )  # fmt: skip
     from ds_diloco.export import check_out_folder, export
 
     if cfg.push_to_hub:  # before the run, not after it
@@ -760,6 +797,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         resolve_token(cfg.push_to_hub)
     if cfg.export:
         check_out_folder(Path(cfg.workdir) / "export")
+    check_source(cfg.data.path)  # before a fresh run clears the last one's outputs
     point = resume_point(cfg) if resume else None
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
@@ -773,6 +811,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
                                        tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
             train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
+            check_islands_inputs(cfg)
             heldout = heldout[:64]
             code, final_status = _drive(cfg, lr, point)
         except Stopped as e:

@@ -391,7 +391,12 @@ def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
 
     async def main():
         server = build_server(cfg)
-        host, port = await server.start(cfg.host, cfg.port)
+        try:
+            host, port = await server.start(cfg.host, cfg.port)
+        except OSError as e:  # taken, or a host that is not this machine's: one line
+            raise ValueError(
+                f"coordinator cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}"
+            ) from None
         log.info("coordinator listening on http://%s:%d", host, port)
         gc_tuning.resume_after_setup()
         if ready is not None:

@@ -277,6 +277,7 @@ def test_run_files_load_with_paths_relative_to_the_file(path, monkeypatch, tmp_p
         root = tmp_path / "repo"
         path = stand_in(path, root)
         (path.parent / pretrained).mkdir(parents=True)
+        (path.parent / pretrained / "config.json").write_text('{"model_type": "llama"}')
     cfg = load_run_config(path)
     model = Path(cfg.model.config or cfg.model.pretrained)
     # A pretrained folder under .cache/ is made by the run's launch script (convert-gguf);
@@ -404,6 +405,19 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
         ({"coordinator.sync_every": 0}, r"^coordinator: sync_every must be >= 1, got 0"),
         ({"coordinator.sync_every": -8}, r"^coordinator: sync_every must be >= 1, got -8"),
         ({"coordinator.num_fragments": 0}, r"^coordinator: num_fragments must be >= 1, got 0"),
+        # An empty path is no path: taken for the working directory, a fresh run cleared
+        # its state/, islands/, export/ and tensorboard/ folders.
+        ({"workdir": ""}, r"^workdir: an empty path"),
+        ({"data.path": ""}, r"^data.path: an empty path"),
+        ({"coordinator.state_dir": ""}, r"^coordinator.state_dir: an empty path"),
+        ({"model": {"config": ""}}, r"^model.config: an empty path"),
+        ({"workdir": "../ds.json"}, r"^workdir '\S+ds.json' is a file, not a folder"),
+        ({"coordinator.state_dir": "../ds.json"}, r"^coordinator.state_dir '\S+' is a file"),
+        ({"push_to_hub": ""}, r"^push_to_hub: empty"),
+        # What the islands load, at load, not in a transformers traceback in every rank.
+        ({"model": {"config": "./tiny-lama.json"}}, r"^model.config '\S+tiny-lama.json' does n"),
+        ({"model": {"config": "../ds.json"}}, r"^model.config: '\S+ds.json' is not a Hugging"),
+        ({"model": {"pretrained": "."}}, r"^model.pretrained '\S+' holds no config.json"),
     ]
     + [({"islands": [{"name": n}]}, r"^islands\[\].name must be 1-128 of") for n in BAD_NAMES],
 )  # fmt: skip
@@ -441,6 +455,7 @@ def test_run_file_errors_name_the_problem(tmp_path, monkeypatch, changes, messag
 def test_run_files_that_load(tmp_path, changes):
     for folder in ("pre", "tok"):
         (tmp_path / folder).mkdir()
+    (tmp_path / "pre" / "config.json").write_text('{"model_type": "llama"}')  # a model folder
     cfg = load_run_config(write_run(tmp_path, changes))
     assert cfg.coordinator.model == cfg.model
     if "workdir" in changes:
@@ -458,6 +473,7 @@ def test_run_coordinator_model_resolves_against_the_run_file(tmp_path, monkeypat
     assert cfg.coordinator.model.config == str(tmp_path / "conf" / "sub" / "m.json")
     assert cfg.coordinator.model == cfg.model
     model = {"pretrained": "sub"}
+    shutil.copy(TINY, tmp_path / "conf" / "sub" / "config.json")
     cfg = load_run_config(
         write_run(tmp_path / "conf", {"model": model, "coordinator.model": model})
     )

@@ -135,3 +135,23 @@ def test_sigterm_exits_promptly_with_an_upload_half_sent(tiny_config_path, tmp_p
     assert proc.returncode == 0, out
     assert took < 15, f"{took:.1f} s from SIGTERM to exit"
     assert (tmp_path / "state" / "coordinator.json").is_file()  # it saved on the way out
+
+
+def test_a_port_in_use_is_one_line(tiny_config_path, tmp_path):
+    # An OSError traceback ("[Errno 98] address already in use") from asyncio's internals.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "coord.json"
+        cfg.write_text(json.dumps({"model": {"config": tiny_config_path}, "host": "127.0.0.1",
+                                   "port": port, "state_dir": str(tmp_path / "s"),
+                                   "token": "tok"}))  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(cfg)],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"coordinator cannot listen on 127.0.0.1:{port}: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

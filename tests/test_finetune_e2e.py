@@ -50,6 +50,7 @@ def test_the_run_file_fine_tunes_with_the_pretrained_models_tokenizer(tmp_path):
             load_run_config(RUN_FILE)
     model = tmp_path / "smollm2"
     model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')  # a model folder's
     deepspeed = str((RUN_FILE.parent / raw["deepspeed_config"]).resolve())
     raw = {**raw, "model": {"pretrained": str(model)}, "deepspeed_config": deepspeed}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))

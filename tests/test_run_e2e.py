@@ -728,3 +728,55 @@ def test_a_corpus_too_small_for_the_islands_ranks_is_refused_before_any_island_s
     assert "training blocks give island '" in proc.stderr, proc.stderr
     assert "for its 2 ranks" in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "islands").exists()  # none was started
+
+
+def _run_cli(run_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_mistyped_data_path_clears_nothing_and_starts_nothing(tmp_path, tiny_config_path):
+    # The last run's state, islands and summary were deleted and the coordinator started
+    # before the data path was found missing.
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], 2)
+    run = json.loads(run_file.read_text())
+    run["data"]["path"] = str(tmp_path / "corpsu")
+    run_file.write_text(json.dumps(run))
+    earlier = [tmp_path / "run" / "state" / "coordinator.json", tmp_path / "run" / "summary.json",
+               tmp_path / "run" / "islands" / "a" / "progress.jsonl"]  # fmt: skip
+    for path in earlier:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    proc = _run_cli(run_file)
+    assert proc.returncode == 2 and "corpsu' does not exist" in proc.stderr, proc.stderr[-2000:]
+    assert all(path.read_text() == "{}" for path in earlier)
+    assert not (tmp_path / "run" / "coordinator.log").exists()  # no coordinator started
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"coordinator": {"num_fragments": 64, "sync_every": 64}},
+         "coordinator: num_fragments must be in [1, "),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+         "is refused by DeepSpeed"),
+    ],
+)  # fmt: skip
+def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_islands_start(
+    tmp_path, tiny_config_path, change, message
+):
+    # num_fragments above the model's tensors: the coordinator refused it once every island's
+    # ranks were launched; a DeepSpeed config section DeepSpeed refuses: each rank failed in
+    # its log, restarted max_restarts times, "islands failed" at the end.
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], 2)
+    run = json.loads(run_file.read_text())
+    if "coordinator" in change:
+        run["coordinator"] = {**run["coordinator"], **change["coordinator"]}
+    else:
+        ds = json.loads(Path(run["deepspeed_config"]).read_text())
+        (tmp_path / "ds.json").write_text(json.dumps({**ds, **change}))
+        run["deepspeed_config"] = str(tmp_path / "ds.json")
+    run_file.write_text(json.dumps(run))
+    proc = _run_cli(run_file)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "islands").exists()  # none was started
