@@ -131,3 +131,28 @@ def test_sigterm_stops_the_bench_and_the_coordinator_process_it_started(tmp_path
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped (SIGTERM)" in out
     assert alive == [], f"coordinator process(es) {alive} outlived the bench"
+
+
+def test_bad_fragment_size_or_json_path_is_refused_before_anything_runs(
+    tmp_path, monkeypatch, capsys
+):
+    def ran(*args, **kw):
+        raise AssertionError("benchmarked before the arguments were checked")
+
+    monkeypatch.setattr("ds_diloco.bench.coordinator.bench_outer_step", ran)
+    for bad in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError, match="--fragment-mb must be a finite number > 0"):
+            llama_config(bad)
+    argv = ["bench", "coordinator", "--repeats", "1"]
+    for value in ("inf", "1e400", "nan"):
+        assert cli.main([*argv, "--fragment-mb", value]) == 2, value
+        err = capsys.readouterr().err
+        assert "--fragment-mb must be a finite number > 0" in err and len(err.splitlines()) == 1
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for path, says in ((tmp_path / "missing" / "x.json", "does not exist"),
+                       (a_file / "x.json", "is not a folder"),
+                       (tmp_path, "is a folder")):  # fmt: skip
+        assert cli.main([*argv, "--fragment-mb", "0.5", "--json", str(path)]) == 2, path
+        err = capsys.readouterr().err
+        assert f"--json {path}: " in err and says in err and len(err.splitlines()) == 1, err

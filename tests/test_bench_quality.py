@@ -329,3 +329,71 @@ def test_stale_merge_prototype_applies_stale_contributions_by_plain_sgd(tiny_con
     st = coord.status()
     assert st["islands"]["b"]["merged"] == 1 and st["run"]["by_staleness"] == {0: 2, 1: 1}
     assert st["run"]["by_quorum"] == {1: 1, 2: 1}
+
+
+class _Tuned(Exception):
+    """Raised by the stand-in for ``tune``: the flags passed every check."""
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fails a test that gets as far as evaluating or training anything."""
+
+    def ran(*args, **kw):
+        raise AssertionError("ran before the flags were checked")
+
+    for name in ("Evaluator", "run_method", "run_bench"):
+        monkeypatch.setattr(f"ds_diloco.bench.quality.{name}", ran)
+
+    def tune(s, grid, **kw):
+        raise _Tuned(s, grid, kw)
+
+    monkeypatch.setattr("ds_diloco.bench.quality.tune", tune)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--outer-lr", "-1"], "--outer-lr must be a finite number > 0"),
+        (["--outer-lr", "nan"], "--outer-lr must be a finite number > 0"),
+        (["--sync-outer-lr", "0"], "--sync-outer-lr must be a finite number > 0"),
+        (["--momentum", "1"], "--momentum must be in [0, 1)"),
+        (["--sync-momentum", "-0.1"], "--sync-momentum must be in [0, 1)"),
+        (["--grace-gamma", "1"], "--grace-gamma must be in [0, 1)"),
+        (["--tau", "12"], "--tau (12) must be < --sync-every (12)"),
+        (["--sync-every", "10"], "--sync-every (10) must be a multiple of --num-fragments"),
+        (["--wait-expected", "20"], "--wait-expected must be in [0,"),
+        (["--tune", "--outer-lr", "-1"], "--outer-lr must be a finite number > 0"),
+        (["--tune", "--tune-lrs", "abc"], "--tune-lrs: 'abc' is not a number"),
+        (["--tune", "--tune-lrs", "0.1,-1"], "--tune-lrs: outer lrs must be finite numbers > 0"),
+        (["--tune", "--tune-momenta", "1.5"], "--tune-momenta: momenta must be in [0, 1)"),
+        (["--tune", "--tune-kinds", "foo"], "--tune-kinds: one or more of"),
+        (["--tune", "--tune-kinds", ","], "--tune-kinds: one or more of"),
+        (["--tune", "--tune-seeds", "0"], "--tune-seeds must be >= 1, got 0"),
+        (["--tune", "--tune-stale", "later"], "--tune-stale must be one of"),
+        (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: the folder"),
+        (["--tune", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json"),
+        (["--plot", "/nonexistent-dir/x.png"], "--plot /nonexistent-dir/x.png: the folder"),
+    ],
+)
+def test_bad_flags_are_refused_by_name_before_anything_runs(argv, says, nothing_runs, capsys):
+    assert cli.main(["bench", "quality", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_good_tune_flags_reach_the_tuning_runs(nothing_runs, tmp_path):
+    argv = ["bench", "quality", "--tune", "--tune-lrs", "0.2,0.4", "--tune-momenta", "0.5",
+            "--tune-kinds", "decoupled", "--tune-seeds", "2", "--workdir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(_Tuned) as e:
+        cli.main(argv)
+    _s, grid, kw = e.value.args
+    assert grid == [(0.2, 0.5), (0.4, 0.5)]
+    assert (kw["kinds"], kw["seeds"], kw["stale"]) == (("decoupled",), 2, "drop")
+
+
+def test_setup_names_the_outer_settings_by_flag():
+    with pytest.raises(ValueError, match="--outer-lr must be a finite number > 0"):
+        Setup(outer_lr=-1.0)
+    with pytest.raises(ValueError, match=r"--momentum must be in \[0, 1\)"):
+        Setup(momentum=1.0)

@@ -271,6 +271,7 @@ def test_free_checkpoints_are_taken_every_step():
         ({"fixed_batch_chips": -1}, "fixed_batch_chips"),
         ({"systems": ("dp", "ring")}, "systems"),
         ({"grace_gamma": 1.0}, "grace_gamma"),
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_config_errors_name_the_field(changes, field):
@@ -282,8 +283,82 @@ def test_parse_count():
     assert parse_count("150k") == 150_000
     assert parse_count("1.2M") == 1_200_000
     assert parse_count("4096") == 4096
-    with pytest.raises(ValueError, match="not a count"):
-        parse_count("many")
+    for bad in ("many", "inf", "1e400", "-inf", "nan", "infk"):  # inf: OverflowError in round
+        with pytest.raises(ValueError, match="not a count"):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize("flag", ["--chips", "--fixed-batch-chips", "--chips-per-slice"])
+@pytest.mark.parametrize("value", ["inf", "1e400"])
+def test_cli_refuses_a_count_that_is_not_finite_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["simulate", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: not a count: '{value}'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_simulation(monkeypatch):
+    """Fails a test that gets as far as drawing a failure trace."""
+
+    def drawn(cfg):
+        raise AssertionError("simulated before the inputs were checked")
+
+    monkeypatch.setattr("ds_diloco.simulate.run.failure_trace", drawn)
+
+
+def test_work_beyond_the_caps_is_refused_up_front_and_paper_scale_is_well_within():
+    from ds_diloco.simulate import config as simconfig
+
+    # The paper's largest runs (and the 28-day calibration) use a fraction of each cap.
+    w = SimConfig(chips=2_400_000, islands=16, days=28).work()
+    assert w["failures"] < simconfig.MAX_FAILURES / 20
+    assert w["island_steps"] < simconfig.MAX_ISLAND_STEPS / 5
+    assert w["slices"] < simconfig.MAX_SLICES / 100
+    assert SimConfig().work()["island_steps"] == 8 * 7 * 86400 / 5
+    assert SimConfig(systems=("dp",)).work()["island_steps"] == 0
+    assert SimConfig(chip_mtbi_s=math.inf).work()["failures"] == 0
+    with pytest.raises(ValueError, match=r"chip failures .* over the cap .*lower SimConfig\.days"):
+        SimConfig(days=1e7, systems=("dp",))  # 30 GiB of trace
+    with pytest.raises(ValueError, match=r"chip failures .* raise SimConfig\.chip_mtbi_s"):
+        SimConfig(chip_mtbi_s=1.0)
+    with pytest.raises(ValueError, match=r"island steps .* raise SimConfig\.step_s"):
+        SimConfig(chips=150_000, islands=2, days=1, step_s=1e-6, systems=("diloco",))
+    with pytest.raises(ValueError, match=r"island steps"):  # a fixed global batch: short steps
+        SimConfig(chips=2_400_000, islands=16, days=7, fixed_batch_chips=1_000)
+    with pytest.raises(ValueError, match=r"slices .* over the cap"):
+        SimConfig(chips=10**12, chips_per_slice=1, days=1e-6, chip_mtbi_s=math.inf)
+
+
+def test_cli_refuses_work_beyond_the_caps_before_simulating(no_simulation, capsys):
+    assert cli_main(["simulate", "--days", "1e7", "--systems", "dp"]) == 2
+    err = capsys.readouterr().err
+    assert "chip failures" in err and "lower --days or --chips, or raise --chip-mtbi-s" in err
+    argv = ["simulate", "--days", "1", "--systems", "diloco", "--islands", "2", "--chips", "150k"]
+    assert cli_main([*argv, "--step-s", "1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert "island steps" in err and "raise --step-s" in err and len(err.splitlines()) == 1
+    # Checked for every M of the sweep, not only the one the flags were checked with.
+    assert cli_main([*argv[:-4], "--islands", "2,16", "--chips", "2.4M", "--days", "200"]) == 2
+    assert "16 islands" in capsys.readouterr().err
+
+
+def test_cli_names_the_seed_flag(no_simulation, capsys):
+    assert cli_main(["simulate", "--chips", "150k", "--days", "0.01", "--seed", "-1"]) == 2
+    assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_cli_checks_output_paths_before_simulating(flag, tmp_path, no_simulation, capsys):
+    argv = ["simulate", "--chips", "150k", "--islands", "2", "--days", "0.01"]
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for path, says in ((tmp_path / "missing" / "out", "does not exist"),
+                       (a_file / "out", "is not a folder"),
+                       (tmp_path, "is a folder")):  # fmt: skip
+        assert cli_main([*argv, flag, str(path)]) == 2, path
+        err = capsys.readouterr().err
+        assert f"{flag} {path}: " in err and says in err and len(err.splitlines()) == 1, err
 
 
 def test_cli_writes_table_json_and_plot(tmp_path, capsys):
@@ -314,7 +389,13 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
 
 def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert cli_main(["simulate", "--chips", "150k", "--days", "-1"]) == 2
-    assert "SimConfig.days" in capsys.readouterr().err
+    assert "--days must be a finite number > 0" in capsys.readouterr().err  # named by flag
+    assert cli_main(["simulate", "--chips", "150k", "--overlap", "0"]) == 2
+    assert "--overlap (tau) must be >= 1" in capsys.readouterr().err
+    assert cli_main(["simulate", "--chips", "150k", "--grace-gamma", "1"]) == 2
+    assert "--grace-gamma must be in [0, 1)" in capsys.readouterr().err
+    assert cli_main(["simulate", "--chips", "150k", "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
     # M comes from --islands / --chips-per-island, not from the default M = 8 (3 slices here).
     argv = ["simulate", "--chips", "1000", "--days", "0.01", "--systems", "diloco", "--json", "-"]
     assert cli_main([*argv, "--islands", "2"]) == 0

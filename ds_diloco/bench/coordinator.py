@@ -187,8 +187,8 @@ def llama_config(fragment_mb: float, layers: int = _LAYERS) -> dict:
     blocks take at most 3/4 of the target, then the vocabulary fills the rest
     (at least 32 tokens, so tiny targets come out somewhat larger).
     """
-    if not fragment_mb > 0:
-        raise ValueError(f"--fragment-mb must be > 0, got {fragment_mb}")
+    if not (math.isfinite(fragment_mb) and fragment_mb > 0):
+        raise ValueError(f"--fragment-mb must be a finite number > 0, got {fragment_mb}")
     target = int(fragment_mb * 2**20) // 4
     hidden = 64
     while layers * _block_numel(hidden + 64) <= 0.75 * target:
@@ -659,13 +659,29 @@ def format_report(
     return "\n".join(lines)
 
 
+def check_output(path: str | None, flag: str) -> None:
+    """ValueError naming ``flag`` unless ``path`` can be written (its folder exists and is
+    one): checked before a benchmark runs, so that a bad path does not lose its figures."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"{flag} {path}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def main(args) -> int:
     """The CLI's ``bench coordinator``: args.fragment_mb, args.contributions, args.repeats
-    and an optional args.json (path of a JSON summary)."""
+    and an optional args.json (path of a JSON summary). Every argument is checked first."""
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.contributions < 1:
         raise ValueError(f"--contributions must be >= 1, got {args.contributions}")
+    check_output(getattr(args, "json", None), "--json")
     config = llama_config(args.fragment_mb)
     _frag, segments, rda = whole_model_layout(model_specs(config))
     f = sum(s.numel for s in segments)

@@ -93,6 +93,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -208,11 +209,44 @@ class Setup:
     workdir: str = "runs/bench-quality"
 
     def __post_init__(self):
-        for name in ("islands", "ranks_per_island", "steps", "micro_batch", "points", "seeds"):
+        """Checks what ``bench quality`` would otherwise find wrong only when the method
+        using it starts (after the baseline's runs); errors name the CLI flag."""
+        flag = _flag
+        for name in ("islands", "ranks_per_island", "steps", "micro_batch", "points", "seeds",
+                     "num_fragments", "sync_every", "tau"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.compression not in CODECS:
-            raise ValueError(f"compression must be one of {CODECS}, got {self.compression!r}")
+            raise ValueError(
+                f"{flag('compression')} must be one of {CODECS}, got {self.compression!r}"
+            )
+        # The outer optimizer's and the round policy's rules (OuterOptimConfig, PolicyOptions,
+        # CoordinatorConfig), named by flag; ``check_runs`` builds the run configs as well.
+        for name in ("outer_lr", "sync_outer_lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(
+                    f"{flag(name)} must be a finite number > 0 (DiLoCo uses 0.7), "
+                    f"got {getattr(self, name)}"
+                )
+        for name in ("momentum", "sync_momentum", "grace_gamma"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        if self.sync_every % self.num_fragments:
+            raise ValueError(
+                f"{flag('sync_every')} ({self.sync_every}) must be a multiple of "
+                f"{flag('num_fragments')} ({self.num_fragments})"
+            )
+        if self.tau >= self.sync_every:
+            raise ValueError(
+                f"{flag('tau')} ({self.tau}) must be < {flag('sync_every')} ({self.sync_every}): "
+                "a fragment's result must be applied before the fragment is sent again"
+            )
+        limit = self.sync_every - self.tau - 1
+        if not (math.isfinite(self.wait_expected_steps) and 0 <= self.wait_expected_steps <= limit):
+            raise ValueError(
+                f"{flag('wait_expected_steps')} must be in [0, {flag('sync_every')} - "
+                f"{flag('tau')} - 1 = {limit}], got {self.wait_expected_steps:g}"
+            )
         if self.eval_blocks % (self.ranks * self.micro_batch):
             raise ValueError(
                 f"eval_blocks ({self.eval_blocks}) must be a multiple of ranks x micro_batch "
@@ -243,6 +277,30 @@ class Setup:
             kw.setdefault("outer_lr", self.sync_outer_lr if sync else self.outer_lr)
             kw.setdefault("momentum", self.sync_momentum if sync else self.momentum)
         return Method(key, kind, **kw)
+
+
+_FLAGS = {
+    "steps": "--steps",
+    "islands": "--islands",
+    "ranks_per_island": "--ranks-per-island",
+    "sync_every": "--sync-every",
+    "num_fragments": "--num-fragments",
+    "outer_lr": "--outer-lr",
+    "sync_outer_lr": "--sync-outer-lr",
+    "momentum": "--momentum",
+    "sync_momentum": "--sync-momentum",
+    "seeds": "--seeds",
+    "compression": "--compression",
+    "grace_gamma": "--grace-gamma",
+    "tau": "--tau",
+    "wait_expected_steps": "--wait-expected",
+}
+"""``bench quality``'s flag of each Setup field it sets (``setup_from_args``)."""
+
+
+def _flag(name: str) -> str:
+    """How an error names a Setup field: its flag, else ``Setup.<name>``."""
+    return _FLAGS.get(name, f"Setup.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -889,24 +947,69 @@ def codec_variants(text: str | None, none: bool = False) -> tuple[str, ...]:
     return codecs
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
+def _floats(text: str, flag: str = "a list") -> tuple[float, ...]:
+    """Comma-separated numbers; ValueError naming ``flag`` for anything else."""
+    out = []
+    for x in text.split(","):
+        try:
+            out.append(float(x))
+        except ValueError:
+            raise ValueError(f"{flag}: {x.strip()!r} is not a number ({flag} takes "
+                             "comma-separated numbers, e.g. 0.2,0.4)") from None  # fmt: skip
+    return tuple(out)
+
+
+TUNE_KINDS = ("sync", "decoupled")
+
+
+def tune_options(args, s: Setup) -> tuple[tuple[float, ...], tuple[float, ...], int, tuple, str]:
+    """``--tune``'s (outer lrs, momenta, seeds, kinds, stale mode), checked by flag."""
+    lrs = _floats(args.tune_lrs, "--tune-lrs")
+    moms = _floats(args.tune_momenta or str(s.momentum), "--tune-momenta")
+    bad = [x for x in lrs if not (math.isfinite(x) and x > 0)]
+    if bad:
+        raise ValueError(f"--tune-lrs: outer lrs must be finite numbers > 0, got {bad}")
+    bad = [x for x in moms if not 0 <= x < 1]
+    if bad:
+        raise ValueError(f"--tune-momenta: momenta must be in [0, 1), got {bad}")
+    seeds = args.tune_seeds
+    if seeds < 1:
+        raise ValueError(f"--tune-seeds must be >= 1, got {seeds}")
+    kinds = tuple(dict.fromkeys(k.strip() for k in args.tune_kinds.split(",") if k.strip()))
+    bad = [k for k in kinds if k not in TUNE_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"--tune-kinds: one or more of {TUNE_KINDS}, got {args.tune_kinds!r}")
+    stale = args.tune_stale
+    if stale not in STALE:
+        raise ValueError(f"--tune-stale must be one of {tuple(STALE)}, got {stale!r}")
+    return lrs, moms, seeds, kinds, stale
+
+
+def check_runs(s: Setup, methods: list[Method]) -> None:
+    """Build each method's run config (nothing is written or started): whatever the run
+    files refuse is found before the first run, not after the baseline's."""
+    for m in methods:
+        try:
+            run_config(s, m, Path(s.workdir) / m.key)
+        except ValueError as e:
+            raise ValueError(f"bench quality: {m.label}: {e}") from None
 
 
 def main(args) -> int:
-    """The CLI's ``bench quality``."""
+    """The CLI's ``bench quality``. Every flag is checked before anything runs."""
+    from ds_diloco.bench.coordinator import check_output
     from ds_diloco.bench.quality_report import format_report, format_tune, plot
 
     logging.getLogger("ds_diloco.export").setLevel(logging.WARNING)  # a line per run otherwise
     s = setup_from_args(args)
+    check_output(args.json, "--json")
     echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.tune:
-        lrs, moms = _floats(args.tune_lrs), _floats(args.tune_momenta or str(s.momentum))
-        seeds = args.tune_seeds
-        kinds = tuple(args.tune_kinds.split(","))
-        stale = args.tune_stale
-        if stale not in STALE:
-            raise ValueError(f"--tune-stale must be one of {tuple(STALE)}, got {stale!r}")
+        lrs, moms, seeds, kinds, stale = tune_options(args, s)
+        check_runs(s, [
+            s.method(k, k, outer_lr=x, momentum=m, stale=stale if k == "decoupled" else "drop")
+            for k in kinds for m in moms for x in lrs
+        ])  # fmt: skip
         echo(
             f"bench quality --tune: {', '.join(kinds)} (Decoupled: grace gamma "
             f"{s.grace_gamma:g}, {STALE[stale]}); outer lr in {lrs}, momentum in {moms}, seeds "
@@ -933,6 +1036,12 @@ def main(args) -> int:
     hetero = 0 if args.no_hetero else 1 + bool(args.hetero_stale) + args.hetero_sync
     if args.hetero_stale and args.hetero_stale not in STALE:
         raise ValueError(f"--hetero-stale must be one of {tuple(STALE)}")
+    check_output(args.plot, "--plot")
+    check_runs(s, [
+        *(s.method(k, k) for k in MAIN),
+        *(s.method(f"stale-{mode}", "decoupled", stale=mode) for mode in stale),
+        *(s.method(f"codec-{c}", "decoupled", codec=c) for c in codecs),
+    ])  # fmt: skip
     echo(
         f"bench quality: {s.tokens:,} tokens per method; runs: "
         f"{', '.join(k for k in (*MAIN, FIXED) if _runs(k, args))} x "

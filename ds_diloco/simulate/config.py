@@ -80,6 +80,21 @@ PUBLISHED = {
 PUBLISHED_DILOCO = {(1_200_000, 8): 88}
 """Published Decoupled DiLoCo goodput %, by (chips, M): only M = 8 at 1.2M is given."""
 
+# What one run may ask of this machine, checked before anything is drawn or simulated
+# (``SimConfig.work``). Measured here: a baseline walks about 700k failures a second and
+# Decoupled DiLoCo about 160k island steps a second. The paper's runs are far inside:
+# 2.4M chips for 28 days is 184k failures, and M = 16 at 5 s steps 7.7M island steps
+# (a fixed global batch of 150k chips at 2.4M: 31M island steps a week, ~3.5 minutes).
+MAX_FAILURES = 10_000_000
+"""Expected chip failures in one trace (chips x (days + repair_s) / chip_mtbi_s): the trace
+is held in memory (about 90 bytes a failure while a system walks it: 0.9 GB at the cap) and
+every system walks it (about 8 s a system at the cap)."""
+MAX_ISLAND_STEPS = 50_000_000
+"""Expected Decoupled DiLoCo island steps (M x days / one step), each an event (about five
+minutes at the cap)."""
+MAX_SLICES = 10_000_000
+"""Slices (chips / chips_per_slice): every system keeps per-slice state."""
+
 
 @dataclass(kw_only=True)
 class SimConfig:
@@ -203,6 +218,8 @@ class SimConfig:
                       "holds whole slices; lower islands or chips_per_slice")  # fmt: skip
         if not (math.isfinite(self.days) and self.days > 0):
             raise bad("days", "must be a finite number > 0")
+        if self.seed < 0:
+            raise bad("seed", "must be >= 0")
         if not self.chip_mtbi_s > 0:
             raise bad("chip_mtbi_s", "must be > 0 seconds (inf disables failures)")
         if not (math.isfinite(self.step_s) and self.step_s > 0):
@@ -231,6 +248,48 @@ class SimConfig:
             self.policy  # noqa: B018  (validates K, gamma and the cap with the coordinator's rules)
         except ValueError as e:
             raise ValueError(f"SimConfig: {e}") from None
+        self._check_work()
+
+    def work(self) -> dict[str, float]:
+        """What this run asks of the machine, estimated before anything is drawn: expected
+        chip failures in its trace (the run plus the repair time before it, see
+        ``trace.failure_trace``), Decoupled DiLoCo island steps (0 if not simulated; an
+        upper bound, as jitter only lengthens steps) and slices."""
+        rate = self.used_chips / self.chip_mtbi_s  # 0 with inf: no failures
+        step = self.chip_step_s
+        steps = self.islands * self.duration_s / step if step > 0 else math.inf
+        return {
+            "failures": rate * (self.duration_s + self.repair_s),
+            "island_steps": steps if "diloco" in self.systems else 0.0,
+            "slices": self.slices,
+        }
+
+    def _check_work(self) -> None:
+        """Refuse a run beyond the caps (``MAX_FAILURES``, ``MAX_ISLAND_STEPS``,
+        ``MAX_SLICES``) up front, saying what to lower: one past them runs out of memory
+        or for hours."""
+        w = self.work()
+        if w["slices"] > MAX_SLICES:
+            raise ValueError(
+                f"SimConfig: {self.slices:.3g} slices ({self.chips} chips, "
+                f"{self.chips_per_slice} per slice) is over the cap of {MAX_SLICES:.0e}: "
+                "lower SimConfig.chips or raise SimConfig.chips_per_slice"
+            )
+        if not w["failures"] <= MAX_FAILURES:
+            raise ValueError(
+                f"SimConfig: about {w['failures']:.3g} chip failures to simulate "
+                f"({self.used_chips} chips, {self.days:g} days, a failure per chip every "
+                f"{self.chip_mtbi_s:.3g} s) is over the cap of {MAX_FAILURES:.0e}: "
+                "lower SimConfig.days or SimConfig.chips, or raise SimConfig.chip_mtbi_s"
+            )
+        if not w["island_steps"] <= MAX_ISLAND_STEPS:
+            raise ValueError(
+                f"SimConfig: about {w['island_steps']:.3g} Decoupled DiLoCo island steps to "
+                f"simulate ({self.islands} islands, {self.days:g} days, steps of "
+                f"{self.chip_step_s:.3g} s) is over the cap of {MAX_ISLAND_STEPS:.0e}: "
+                "lower SimConfig.days or SimConfig.islands, or raise SimConfig.step_s "
+                "(or SimConfig.fixed_batch_chips)"
+            )
 
     @property
     def chip_step_s(self) -> float:

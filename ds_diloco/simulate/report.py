@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import math
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,10 +21,14 @@ from ds_diloco.simulate.config import (
     SimConfig,
 )
 from ds_diloco.simulate.result import CHIP_TIME
-from ds_diloco.simulate.run import Result, sweep
+from ds_diloco.simulate.run import Result, run_configs, sweep_configs
 
 # Set by their own flags (lists, or not numbers); every other SimConfig field gets --field-name.
 _OWN = ("chips", "islands", "days", "seed", "systems")
+
+
+class CountError(argparse.ArgumentTypeError, ValueError):
+    """Not a count: argparse shows the message after the flag's name."""
 
 
 def parse_count(text: str) -> int:
@@ -28,9 +36,12 @@ def parse_count(text: str) -> int:
     t = text.strip().lower().replace("_", "")
     scale = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
     try:
-        return round(float(t[:-1] if scale > 1 else t) * scale)
+        value = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise ValueError(f"not a count: {text!r} (write 150000, 150k or 1.2M)") from None
+        value = math.nan
+    if not math.isfinite(value):  # also inf and 1e400 (OverflowError in round)
+        raise CountError(f"not a count: {text!r} (write 150000, 150k or 1.2M)")
+    return round(value)
 
 
 def _counts(text: str) -> list[int]:
@@ -63,6 +74,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             kind = parse_count if "chips" in f.name else type(f.default)  # 150k, 1.2M
             model.add_argument("--" + f.name.replace("_", "-"), type=kind,
                                default=None, help=f"default {f.default:g}")  # fmt: skip
+
+
+def _flag(match: re.Match) -> str:
+    field = {"tau": "overlap"}.get(match[2], match[2])  # PolicyOptions.tau is --overlap
+    return "--" + field.replace("_", "-")
+
+
+def flag_names(e: ValueError) -> ValueError:
+    """A SimConfig error (or its PolicyOptions') with each field named by its flag."""
+    return ValueError(re.sub(r"\b(SimConfig|PolicyOptions)\.(\w+)", _flag, str(e)))
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """ValueError naming ``flag`` unless ``path`` can be written (its folder exists and is
+    one); checked before the simulation, so that a bad path does not lose its result."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"{flag} {path}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -188,9 +224,21 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="ds-diloco simulate", description=__doc__)
         add_arguments(p)
         args = p.parse_args(args)
-    cfg = config_from_args(args)
+    # Every input is checked before anything is simulated (a sweep can run for minutes).
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.json != "-":
+        check_output(args.json, "--json")
+    check_output(args.plot, "--plot")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)")
     islands = args.islands or (list(PAPER_ISLANDS) if args.chips_per_island is None else [])
-    result = sweep(cfg, args.chips, islands, chips_per_island=args.chips_per_island, jobs=args.jobs)
+    try:
+        cfg = config_from_args(args)
+        tasks = sweep_configs(cfg, args.chips, islands, chips_per_island=args.chips_per_island)
+    except ValueError as e:
+        raise flag_names(e) from None
+    result = run_configs(tasks, jobs=args.jobs)
     published_diloco = [
         {"chips": n, "islands": m, "goodput": g} for (n, m), g in PUBLISHED_DILOCO.items()
     ]

@@ -62,8 +62,21 @@ def sweep(
     on its own trace drawn with ``cfg.seed``, so every M at one size sees the same failures.
 
     ``jobs`` > 1 runs the pieces in that many processes; results do not depend on it.
+    Every piece is checked (``sweep_configs``) before any is run.
     """
-    t0 = time.perf_counter()
+    tasks = sweep_configs(cfg, chips, islands, chips_per_island=chips_per_island)
+    return run_configs(tasks, jobs=jobs)
+
+
+def sweep_configs(
+    cfg: SimConfig,
+    chips: Iterable[int],
+    islands: Iterable[int] = (),
+    *,
+    chips_per_island: int | None = None,
+) -> list[SimConfig]:
+    """The pieces ``sweep`` runs, each a checked ``SimConfig`` (ValueError: a size or M it
+    cannot run, or one over the work caps); nothing is simulated."""
     if chips_per_island is not None and chips_per_island < 1:
         raise ValueError(f"chips_per_island must be >= 1, got {chips_per_island}")
     islands = tuple(islands)
@@ -79,8 +92,16 @@ def sweep(
                 else islands or (cfg.islands,)
             )
             tasks += [cfg.replace(chips=n, islands=m, systems=("diloco",)) for m in ms]
+    return tasks
+
+
+def run_configs(tasks: list[SimConfig], *, jobs: int = 1) -> Result:
+    """Simulate each config (``simulate``), in ``jobs`` processes if > 1; rows in order."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    t0 = time.perf_counter()
     if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        with ProcessPoolExecutor(max_workers=min(jobs, max(len(tasks), 1))) as pool:
             parts = list(pool.map(simulate, tasks))
     else:
         parts = [simulate(c) for c in tasks]
