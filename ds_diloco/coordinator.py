@@ -648,8 +648,10 @@ class Coordinator:
     # ------------------------------------------------------------------ uploads
     def upload(self, body: bytes | bytearray | memoryview) -> dict:
         """Validate and take in one rank's slices; refuses with CoordinatorError."""
+        # A slice per tensor, and a compressed one's scales: any more is not an upload.
+        most = 2 * max(len(fs.fragment.params) for fs in self._frags)
         try:
-            h, slices, meta = wire.decode_upload_with_metadata(body)
+            h, slices, meta = wire.decode_upload_with_metadata(body, most)
         except wire.WireError as e:
             raise CoordinatorError(400, str(e)) from None
         fs = self._fragment(h.fragment)

@@ -240,7 +240,7 @@ class CoordinatorServer:
     async def register(self, request):
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deeply
             raise CoordinatorError(400, "register: body must be JSON") from None
         if not isinstance(body, dict):
             raise CoordinatorError(400, "register: body must be a JSON object")

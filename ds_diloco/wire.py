@@ -162,8 +162,12 @@ class Body:
         self.parts = None
 
 
-def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Parse a safetensors body; tensors alias ``body`` (read-only: copy before writing)."""
+def decode(
+    body: bytes | bytearray | memoryview, max_tensors: int | None = None
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Parse a safetensors body; tensors alias ``body`` (read-only: copy before writing).
+    ``max_tensors``: refuse a header listing more, before building any (a small body
+    listing tens of thousands of empty tensors held the coordinator's loop ~1 s)."""
     view = memoryview(body)
     if len(view) < 8:
         raise WireError(
@@ -175,6 +179,11 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[s
             f"malformed body: header length {hlen} does not fit a {len(view)}-byte body"
         )
     meta, entries = _parse_header(view[8 : 8 + hlen])
+    if max_tensors is not None and len(entries) > max_tensors:
+        raise WireError(
+            f"malformed body: the header lists {len(entries)} tensors, at most {max_tensors} "
+            "are expected"
+        )
     data = view[8 + hlen :]
     tensors: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():  # frombuffer warns on read-only buffers; we never write them
@@ -350,11 +359,11 @@ def decode_upload(body: bytes) -> tuple[UploadHeader, dict[str, torch.Tensor]]:
 
 
 def decode_upload_with_metadata(
-    body: bytes,
+    body: bytes, max_tensors: int | None = None
 ) -> tuple[UploadHeader, dict[str, torch.Tensor], dict[str, str]]:
     """Like :func:`decode_upload`, plus the whole metadata (compressed slices describe
     themselves there: ``compress.from_wire``)."""
-    meta, tensors = decode(body)
+    meta, tensors = decode(body, max_tensors)
     return _meta_to_header(UploadHeader, meta), tensors, meta
 
 

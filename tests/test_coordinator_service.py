@@ -556,6 +556,14 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     refused(400, "incarnation must be an integer", lambda: client.leave("a", "x"))
     refused(409, "leave from incarnation 7", lambda: client.leave("a", 7))
     refused(413, "too large", lambda: client.upload_body(b"\x00" * (2**20 + 1)))
+    # A small body listing thousands of empty tensors held the event loop ~1 s per request
+    # (each built before the names were checked).
+    many = {f"t{i}": torch.zeros(0) for i in range(5000)}
+    meta = wire._header_to_meta(wire.UploadHeader(**{**good, "rank": 1}))
+    refused(400, "lists 5000 tensors", lambda: client.upload_body(wire.encode(many, meta)))
+    deep = requests.post(server.url + "/v1/islands", data="[" * 100_000 + "]" * 100_000,
+                         headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    assert deep.status_code == 400 and "body must be JSON" in deep.json()["error"], deep.text
     # Counters a float cannot hold: tokens^2 / steps = inf lost a whole round's merge, a
     # huge step killed the round loop and /metrics (found by review, each reproduced).
     too_big = 2**53 + 1
