@@ -229,6 +229,12 @@ def _restore_merge_marks(islands: dict[str, _Island], merged_by: list[dict]) -> 
 
 def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
     """Refuse an upload or leave from a process an island's later registration superseded."""
+    if incarnation > isl.registrations:  # not superseded: the process must not stop
+        raise CoordinatorError(
+            409,
+            f"{what} from incarnation {incarnation} of island {isl.island!r}, which this "
+            f"coordinator knows up to incarnation {isl.registrations}",
+        )
     if incarnation != isl.registrations:
         raise CoordinatorError(
             409,
@@ -622,6 +628,21 @@ class Coordinator:
             "align_phase": self.cfg.align_phase,
         }
 
+    def _adopt_registration(self, isl: _Island, h: wire.UploadHeader, now: float) -> None:
+        """An upload from a registration this coordinator has no record of (``_lock``
+        held): its state is older than the island's last registration (a state dir put
+        back from a backup). The island is the current one, not a superseded one: taken
+        as registered as the upload says (it was refused as superseded, and stopped)."""
+        log.warning(
+            "island %s sends from registration %d, this coordinator knew %d (its state is "
+            "older than that registration): taken as registered, world size %d",
+            h.island, h.incarnation, isl.registrations, h.world_size,
+        )  # fmt: skip
+        isl.registrations, isl.world_size, isl.left_at = h.incarnation, h.world_size, None
+        isl.uploads.clear()
+        isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
+        self._drop_pending(isl.island)
+
     def _drop_pending(self, island: str) -> None:
         for fs in self._frags:
             for table in (fs.assembling, fs.complete):
@@ -664,6 +685,8 @@ class Coordinator:
             isl = self._islands.get(h.island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
+            if h.incarnation > isl.registrations:
+                self._adopt_registration(isl, h, now)
             if isl.left_at is not None:
                 raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
             # First: a superseded launch must hear so (and stop), even with another world size.
