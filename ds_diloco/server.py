@@ -39,6 +39,9 @@ _READ_BUFSIZE = 16 * 1024 * 1024
 _SMALL_WRITE = 64 * 1024  # download parts below this are joined before sending
 _KEEP_BUFFER_BYTES = 512 * 1024 * 1024  # upload buffers kept for reuse, at most
 INLINE_UPLOAD_BYTES = 4 * 1024 * 1024
+BODY_IDLE_S = 60.0
+"""An upload body that sends no byte for this long is refused (408) and its buffer freed:
+a client stalled half-way held its buffer, the size it declared, for ever."""
 """Uploads up to this size are taken in on the event loop, larger ones in the thread pool.
 Decoding, checking and copying a small body costs less than the hop to a worker thread
 and back (two thread wake-ups): on ``ds-diloco bench coordinator``'s round workload (2
@@ -278,7 +281,13 @@ class CoordinatorServer:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=n)
         view, pos = memoryview(self._buffers.take(n))[:n], 0
         while pos < n:
-            chunk = await request.content.readany()
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), BODY_IDLE_S)
+            except asyncio.TimeoutError:
+                self._buffers.give(view)
+                raise CoordinatorError(
+                    408, f"upload body stalled: no byte for {BODY_IDLE_S:g} s after {pos} of {n}"
+                ) from None
             if not chunk or pos + len(chunk) > n:
                 self._buffers.give(view)
                 if not chunk:

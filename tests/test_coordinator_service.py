@@ -717,3 +717,28 @@ def test_small_uploads_are_taken_in_on_the_loop_and_large_ones_in_the_pool(
             assert time.monotonic() < deadline
             time.sleep(0.02)
         client.close()
+
+
+def test_an_upload_body_that_stalls_is_refused_and_its_buffer_freed(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # A client that sent half a body and waited held its connection and a buffer of the
+    # size it declared for as long as it liked (75 s seen, no timeout).
+    import socket
+
+    monkeypatch.setattr(server_mod, "BODY_IDLE_S", 0.5)
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
+    try:
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+                b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n" + b"\x00" * 10
+            )
+            t0 = time.monotonic()
+            answer = s.recv(4096).decode("latin-1")
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert "upload body stalled: no byte for 0.5 s after 10 of 100000" in answer, answer
+        assert time.monotonic() - t0 < 5.0
+        assert CoordinatorClient(srv.url, TOKEN, retries=0).health()  # serving on
+    finally:
+        srv.stop()
