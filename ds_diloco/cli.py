@@ -28,6 +28,7 @@ def _island(args) -> int:
     with gc_tuning.paused_for_setup():  # until the first step
         from ds_diloco.config import load_island_config
         from ds_diloco.island import run_island
+        from ds_diloco.learner import LearnerError
         from ds_diloco.syncer import Superseded
 
         global _exit_at_once
@@ -37,6 +38,9 @@ def _island(args) -> int:
         except Superseded as e:  # not a failure to restart from: see Superseded.exit_code
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)
             code = Superseded.exit_code
+        except LearnerError as e:  # could not join (raised on every rank): one line, not a
+            print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)  # traceback per rank
+            code = 1  # a failure: ds-diloco run restarts it (the coordinator may come back)
         _exit_at_once = True  # done, or stopped for good: nothing left for teardown to do
     return code
 

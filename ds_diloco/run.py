@@ -735,7 +735,7 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
     A fresh run starts its islands while the coordinator starts up. A resumed one first
     reads where the coordinator resumed: islands already training could merge before
     that status is read."""
-    if point is None:
+    if point is None and lr.coordinator.poll() is None:  # exited already: said just below
         lr.start_islands()
     client = lr.wait_for_coordinator()
     print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)

@@ -279,3 +279,27 @@ def test_a_loop_that_raises_without_closing_exits_with_its_error(
         proc = run_single(script, [tiny_config_path, str(DS_CPU), coordinator.url])
         assert "the user's loop crashed" in proc.stderr, output(proc)
         assert proc.returncode == 1 and "terminate called" not in proc.stderr, output(proc)
+
+
+def test_an_island_that_cannot_reach_its_coordinator_says_so_in_one_line(
+    tiny_config_path, tmp_path
+):
+    # Each rank printed a traceback ending in the LearnerError.
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    island = {"island": "a", "coordinator_url": url, "connect_timeout_s": 1,
+              "model": {"config": tiny_config_path}, "deepspeed_config": str(DS_CPU),
+              "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
+                       "cache_dir": str(tmp_path / "cache")},
+              "train": {"steps": 2, "micro_batch": 4}, "workdir": str(tmp_path / "w")}  # fmt: skip
+    (tmp_path / "island.json").write_text(json.dumps(island))
+    e = env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_diloco.cli", "island", "--config", str(tmp_path / "island.json")],
+        env=e, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, output(proc)
+    assert f"ds-diloco island: island 'a': coordinator {url} not reachable" in proc.stderr, output(
+        proc
+    )
+    assert "Traceback" not in proc.stderr, output(proc)

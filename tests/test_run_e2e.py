@@ -232,7 +232,8 @@ def test_a_coordinator_that_cannot_start_stops_the_islands_started_with_it(
     tmp_path, tiny_config_path, kill_leftovers
 ):
     # The islands start while the coordinator starts up; when it exits instead of serving
-    # (here: its port is taken), the run stops them and says why in one line.
+    # (here: its port is taken), the run stops them and says why in one line. (Found
+    # exited before the islands are started, as it often is now, none is started.)
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # bound, not listening: connecting to it is refused
     port = taken.getsockname()[1]
@@ -248,11 +249,10 @@ def test_a_coordinator_that_cannot_start_stops_the_islands_started_with_it(
         leftovers = kill_leftovers(workdir)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     err = proc.stderr
-    assert "ds-diloco: error: the coordinator exited with code 1 before it answered" in err, err
+    assert "ds-diloco: error: the coordinator exited with code 2 before it answered" in err, err
+    assert f"cannot listen on 127.0.0.1:{port}" in err, err
     assert "address already in use" in err and "Traceback" not in err, err
-    assert leftovers.strip() == "", leftovers  # the island it started was stopped
-    log = (workdir / "islands" / "a" / "log.txt").read_text()
-    assert "launch.py" in log, log[-2000:]  # the island really was started
+    assert leftovers.strip() == "", leftovers  # an island it started was stopped
 
 
 def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(

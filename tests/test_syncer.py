@@ -245,18 +245,23 @@ def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(tiny_con
         shutil.copytree(backup, cfg.state_dir)
         srv = ServerThread(dataclasses.replace(cfg, port=srv.port))
         assert srv.coord.versions() == [1, 0]
-        step, local = 12, s.access.params
-        while s.versions() != [1, 0]:  # within a long poll and a turn of each fragment
+        step, local, followed = 12, s.access.params, set()
+        while len(followed) < 2:  # within a long poll and a turn of each fragment
             assert step < 200, (s.versions(), s.stats)
             before = s.versions()
             train(s, range(step, step + 1), wait_results=False)
-            for frag in s.plan.fragments:  # applied just now: the backup's values, exactly
-                if s.versions()[frag.index] != before[frag.index]:
+            for frag in s.plan.fragments:  # first change: the backup's version and values
+                i = frag.index
+                if i not in followed and s.versions()[i] != before[i]:
+                    assert s.versions()[i] == [1, 0][i], s.versions()
                     assert all(torch.equal(local[n].detach(), old[n]) for n in frag.names)
+                    followed.add(i)  # (it may merge again before the other one follows)
             step += 1
             time.sleep(0.05)
         train(s, range(step, step + 8))  # and it syncs again: both fragments merged twice
-        assert srv.coord.versions() == s.versions() == [3, 2]
+        assert (
+            srv.coord.versions() == s.versions() and min(s.versions()[0] - 1, s.versions()[1]) >= 2
+        )
         s.close()
         assert s.stats.refused >= 1  # an upload against version 3 ("from the future")
     finally:
