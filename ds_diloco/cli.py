@@ -308,10 +308,29 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        _check_outputs(args)
         return args.fn(args)
     except ValueError as e:  # config and input errors: one clear line, no traceback
         print(f"ds-diloco: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_outputs(args) -> None:
+    """Every command's output files (``--json``, ``--plot``; ``-`` is stdout) can be written:
+    checked before the command runs (a simulation, a benchmark, a chaos run: minutes), not
+    when its result is written at the end, and lost."""
+    for name in ("json", "plot"):
+        path = getattr(args, name, None)
+        if not isinstance(path, str) or path in ("", "-"):
+            continue
+        flag, folder = f"--{name}", os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: is a folder; give a file path")
+        if not os.path.isdir(folder):
+            what = "is not a folder" if os.path.exists(folder) else "does not exist"
+            raise ValueError(f"{flag} {path}: the folder {folder} {what}")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def program() -> int:

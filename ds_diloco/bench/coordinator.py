@@ -659,21 +659,6 @@ def format_report(
     return "\n".join(lines)
 
 
-def check_output(path: str | None, flag: str) -> None:
-    """ValueError naming ``flag`` unless ``path`` can be written (its folder exists and is
-    one): checked before a benchmark runs, so that a bad path does not lose its figures."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a folder; give a file path")
-    if not os.path.isdir(folder):
-        what = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise ValueError(f"{flag} {path}: the folder {folder} {what}")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
-
-
 def main(args) -> int:
     """The CLI's ``bench coordinator``: args.fragment_mb, args.contributions, args.repeats
     and an optional args.json (path of a JSON summary). Every argument is checked first."""
@@ -681,7 +666,6 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.contributions < 1:
         raise ValueError(f"--contributions must be >= 1, got {args.contributions}")
-    check_output(getattr(args, "json", None), "--json")
     config = llama_config(args.fragment_mb)
     _frag, segments, rda = whole_model_layout(model_specs(config))
     f = sum(s.numel for s in segments)

@@ -997,12 +997,10 @@ def check_runs(s: Setup, methods: list[Method]) -> None:
 
 def main(args) -> int:
     """The CLI's ``bench quality``. Every flag is checked before anything runs."""
-    from ds_diloco.bench.coordinator import check_output
     from ds_diloco.bench.quality_report import format_report, format_tune, plot
 
     logging.getLogger("ds_diloco.export").setLevel(logging.WARNING)  # a line per run otherwise
     s = setup_from_args(args)
-    check_output(args.json, "--json")
     echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.tune:
         lrs, moms, seeds, kinds, stale = tune_options(args, s)
@@ -1036,7 +1034,6 @@ def main(args) -> int:
     hetero = 0 if args.no_hetero else 1 + bool(args.hetero_stale) + args.hetero_sync
     if args.hetero_stale and args.hetero_stale not in STALE:
         raise ValueError(f"--hetero-stale must be one of {tuple(STALE)}")
-    check_output(args.plot, "--plot")
     check_runs(s, [
         *(s.method(k, k) for k in MAIN),
         *(s.method(f"stale-{mode}", "decoupled", stale=mode) for mode in stale),

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -84,21 +83,6 @@ def _flag(match: re.Match) -> str:
 def flag_names(e: ValueError) -> ValueError:
     """A SimConfig error (or its PolicyOptions') with each field named by its flag."""
     return ValueError(re.sub(r"\b(SimConfig|PolicyOptions)\.(\w+)", _flag, str(e)))
-
-
-def check_output(path: str | None, flag: str) -> None:
-    """ValueError naming ``flag`` unless ``path`` can be written (its folder exists and is
-    one); checked before the simulation, so that a bad path does not lose its result."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a folder; give a file path")
-    if not os.path.isdir(folder):
-        what = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise ValueError(f"{flag} {path}: the folder {folder} {what}")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -227,9 +211,6 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     # Every input is checked before anything is simulated (a sweep can run for minutes).
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.json != "-":
-        check_output(args.json, "--json")
-    check_output(args.plot, "--plot")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)")
     islands = args.islands or (list(PAPER_ISLANDS) if args.chips_per_island is None else [])
