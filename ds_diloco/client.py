@@ -121,8 +121,8 @@ class CoordinatorClient:
         self._conns = weakref.WeakKeyDictionary()
         self._interrupted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._conns_lock = threading.Lock()
-        # The last connection attempt, from any thread, failed (no answer since): the
-        # coordinator is gone for now. Read by FragmentSyncer.finish.
+        # The last request, from any thread, could not connect or got no answer in time
+        # (no answer since): the coordinator is gone for now. Read by FragmentSyncer.finish.
         self.unreachable = False
 
     def with_limits(self, timeout_s: float, retries: int = 0) -> CoordinatorClient:
@@ -206,8 +206,8 @@ class CoordinatorClient:
                 r = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
-                if not connected:
-                    self.unreachable = True
+                if not connected or isinstance(e, TimeoutError):  # none, or no answer in time
+                    self.unreachable = True  # (a hung coordinator accepts and never answers)
                 self._check_interrupt()  # woken by interrupt(): no retry, no backoff
                 if connected and isinstance(e, TimeoutError):
                     raise  # no answer in time: the request may be in progress, not retried

@@ -132,7 +132,16 @@ class DiLoCoCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.learner is None:
             return
+        # load_best_model_at_end: the Trainer has loaded its best checkpoint into the engine
+        # by now; flushed, the last steps' pseudo-gradients would be global - that checkpoint
+        # (a pull back towards it, merged). Those steps are left out instead.
+        flush = not getattr(args, "load_best_model_at_end", False)
+        if not flush:
+            log.warning("load_best_model_at_end: the steps since each fragment's last send "
+                        "are not sent (the Trainer replaced the weights with its best checkpoint)")  # fmt: skip
         try:
-            self.versions = self.learner.close(leave=True, take_global=self.take_global_at_end)
+            self.versions = self.learner.close(
+                leave=True, take_global=self.take_global_at_end, flush=flush
+            )
         except LearnerError as e:  # raised, it would lose the trained model with train()
             log.error("%s; the Trainer's model keeps this island's own weights", e)

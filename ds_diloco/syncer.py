@@ -58,6 +58,15 @@ TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) a
 GONE_RETRY_S = 10.0  # finish(): how long a coordinator found gone is tried once more
 
 
+def _answers(client: CoordinatorClient) -> bool:
+    """The coordinator answers a health check (within the client's timeout)."""
+    try:
+        client.health()
+        return True
+    except Exception:
+        return False
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t`` (fp32, host), without a temporary: the maximum and minimum
     are finite exactly when every value is (``np.maximum`` / ``np.minimum`` propagate NaN).
@@ -999,28 +1008,31 @@ class FragmentSyncer:
         the global model (if ``take_global``: returns its versions, or raises RuntimeError
         on every rank with the local values intact).
 
-        A coordinator whose last connection failed on any rank is gone for now: leaving and
-        taking the global model each try once more, at most ``GONE_RETRY_S``, rather than
-        with their full waits (flush, leave and take_global one after the other took 193 s
-        through the HF callback, which promised 120)."""
+        A coordinator that does not answer at the end (a health probe gets no answer within
+        ``GONE_RETRY_S`` on any rank) is gone for now: queued uploads are not waited for, and leaving and taking
+        the global model each try once more, at most ``GONE_RETRY_S``, rather than with
+        their full waits (flush, leave and take_global one after the other took 193 s
+        through the HF callback, which promised 120; 272 s with a coordinator that hung)."""
         if flush:
             self.flush(flush_timeout_s)
-        self.close()
-        gone = self.client.unreachable
-        if take_global:  # the same wait on every rank (no collective otherwise: after an
-            gone = self._agree([int(gone)])[1][0] == 1  # error the ranks may not all be here)
-        once = self.client.with_limits(timeout_s=GONE_RETRY_S) if gone else None
+        once = self.client.with_limits(timeout_s=GONE_RETRY_S)
         try:
+            # Asked now when it matters (after an error: neither, no probe), else the last
+            # request's outcome.
+            ask = leave or take_global
+            gone = not _answers(once) if ask else self.client.unreachable
+            if take_global:  # the same waits on every rank (no collective otherwise: after
+                gone = self._agree([int(gone)])[1][0] == 1  # an error not all ranks are here)
+            self.close(timeout=0.0 if gone else 30.0)  # queued uploads would only time out
             if leave and self.rank == 0:
-                self.leave(once)
+                self.leave(once if gone else None)
             if not take_global:
                 return None
-            if once is None:
+            if not gone:
                 return self.take_global()
             return self.take_global(timeout_s=GONE_RETRY_S, client=once)
         finally:
-            if once is not None:
-                once.close()
+            once.close()
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued uploads, then stop the background thread."""

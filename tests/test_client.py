@@ -244,7 +244,7 @@ def test_no_answer_in_time_is_raised_at_once_not_retried():
         with pytest.raises(TimeoutError):
             c.versions()
         assert time.perf_counter() - t0 < 0.9 and srv.paths == ["/v1/versions"]
-        assert not c.unreachable  # connected, only slow
+        assert c.unreachable  # no answer in time: a hung coordinator looks like this
     finally:
         srv.close()
 

@@ -123,3 +123,22 @@ def test_the_callback_joins_a_zero3_trainer_that_accelerate_launched(monkeypatch
     cb.on_train_begin(args(deepspeed=None), state, None, model=torch.nn.Linear(2, 2),
                       optimizer=wrapped)  # fmt: skip
     assert made == [3]
+
+
+@pytest.mark.parametrize("best", [False, True])
+def test_the_callback_sends_no_last_steps_after_the_trainer_loaded_its_best_checkpoint(best):
+    # load_best_model_at_end: the Trainer loads that checkpoint before on_train_end; the
+    # flush then uploaded global - checkpoint (a pull back towards it), and it was merged.
+    from types import SimpleNamespace
+
+    from ds_diloco.hf_callback import DiLoCoCallback
+
+    class Closing:  # what the callback asks of its Learner at the end
+        def close(self, **kw):
+            self.kw = kw
+            return [1]
+
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", tokens_per_step=1)
+    cb.learner = Closing()
+    cb.on_train_end(SimpleNamespace(load_best_model_at_end=best), None, None)
+    assert cb.learner.kw["flush"] is (not best) and cb.learner.kw["leave"] is True

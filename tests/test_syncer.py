@@ -304,6 +304,27 @@ def test_finishing_with_a_coordinator_gone_tries_it_once_more_not_for_every_wait
     assert time.monotonic() - t0 < 2.0 + syncer_mod.GONE_RETRY_S + 5.0
 
 
+def test_finishing_with_a_coordinator_that_hangs_tries_it_once_more(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # A coordinator that accepts connections and never answers (a frozen process or host):
+    # no request had failed to connect, so close waited for the queued uploads, leave and
+    # take_global each for their full time outs (272 s through the HF callback).
+    monkeypatch.setattr(syncer_mod, "GONE_RETRY_S", 1.0)
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        url = urlsplit(srv.url)
+        with ChaosProxy(url.hostname, url.port) as proxy:
+            client = CoordinatorClient(proxy.url, "t", retries=0, timeout_s=30.0)
+            (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), 1)
+            s.bootstrap()
+            train(s, range(1, 4))
+            proxy.set(delay_s=120.0)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="could not take the global model"):
+                s.finish(leave=True, take_global=True, flush=True, flush_timeout_s=2.0)
+            assert time.monotonic() - t0 < 2.0 + 10.0
+
+
 def test_an_island_whose_training_went_silent_lets_its_lease_lapse(
     tiny_config_path, tmp_path, monkeypatch
 ):
