@@ -178,6 +178,7 @@ class _Island:
             "left_at": self.left_at,
             "registrations": self.registrations,
             "uploads": [[f, r, s] for (f, r), s in sorted(self.uploads.items())],
+            "last_dropped": [[f, s] for f, s in sorted(self.last_dropped.items())],
             "step_time": self.step_time.to_dict(),
         }
 
@@ -192,6 +193,8 @@ class _Island:
         isl.left_at = d.get("left_at")
         isl.registrations = d.get("registrations", 1)
         isl.uploads = {(f, r): s for f, r, s in d["uploads"]}
+        # (else a contribution whose ranks were dropped on both sides of a restart counted twice)
+        isl.last_dropped = {f: s for f, s in d.get("last_dropped", [])}
         isl.step_time = Ema.from_dict(d["step_time"])
         return isl
 
@@ -201,10 +204,25 @@ def _merged_by(old: dict[str, dict], counted) -> dict[str, dict]:
     new = dict(old)
     for c in counted:
         m = new.get(c.island, {"merges": 0, "tokens": 0, "steps": 0})
-        new[c.island] = {"incarnation": c.incarnation, "step": c.step,
-                         "merges": m["merges"] + 1, "tokens": m["tokens"] + c.tokens,
-                         "steps": m["steps"] + c.steps}  # fmt: skip
+        new[c.island] = {"incarnation": c.incarnation, "world_size": c.world_size,
+                         "step": c.step, "merges": m["merges"] + 1,
+                         "tokens": m["tokens"] + c.tokens, "steps": m["steps"] + c.steps}  # fmt: skip
     return new
+
+
+def merges_on_disk(state: dict, index: int, version: int) -> int:
+    """Fragment ``index``'s merge count from a state dir: the table's, plus the merges made
+    durable (its file at ``version``) after the table's last save."""
+    merges, merges_at = state["merges"][index], state.get("merges_at")
+    return merges + (max(0, version - merges_at[index]) if merges_at is not None else 0)
+
+
+def islands_on_disk(state: dict, merged_by: list[dict], now: float) -> dict[str, _Island]:
+    """The island table of a state dir, brought up to its fragment files' ``merged_by``
+    (the coordinator's load, and an export from the state dir)."""
+    islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
+    _restore_merge_marks(islands, merged_by)
+    return islands
 
 
 def _restore_merge_marks(islands: dict[str, _Island], merged_by: list[dict]) -> None:
@@ -219,6 +237,13 @@ def _restore_merge_marks(islands: dict[str, _Island], merged_by: list[dict]) -> 
             total = sum(m[key] for _, m in marks)
             attr = {"merges": "merged", "tokens": "tokens_merged", "steps": "steps_merged"}[key]
             setattr(isl, attr, max(getattr(isl, attr), total))
+        latest = max(m["incarnation"] for _, m in marks)
+        if latest > isl.registrations and "world_size" in marks[0][1]:
+            # Merged from a registration the table never saved (taken from an upload, the
+            # state put back from a backup: Coordinator._adopt_registration).
+            isl.registrations = latest
+            isl.world_size = next(m["world_size"] for _, m in marks if m["incarnation"] == latest)
+            isl.uploads.clear()
         for f, m in marks:
             if m["incarnation"] != isl.registrations:
                 continue  # registered again since: it may count its steps from a checkpoint
@@ -424,25 +449,21 @@ class Coordinator:
         self.plan = plan
         self._frags = []
         hwm = self.store.read_json("versions.json") or {}
-        merges_at = state.get("merges_at")  # the versions the merge counts were saved at
         for frag in plan.fragments:
             version, values, optim, merged_by = self.store.read_fragment_state(frag.index)
             # Written with durable merges, the file holds the last served version. Otherwise a
             # version may have been served after the last save: never reuse its number.
-            served = version if state.get("durable_merges") else hwm.get(str(frag.index), version)
+            # (Either way: the table's durable_merges flag may be older than the last run's.)
+            served = max(version, hwm.get(str(frag.index), version))
             fs = self._new_fragment_state(frag, values, served + 1 if served > version else version)
             if optim:
                 fs.optimizer.load_state_dict(optim)
             fs.saved_version = version
-            fs.merges = state["merges"][frag.index]
-            if merges_at is not None:  # merges made durable after the table's last save
-                fs.merges += max(0, version - merges_at[frag.index])
+            fs.merges = merges_on_disk(state, frag.index, version)
             fs.merges_at = version
             fs.merged_by = merged_by
             self._frags.append(fs)
-        now = self.clock()
-        self._islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
-        _restore_merge_marks(self._islands, [fs.merged_by for fs in self._frags])
+        self._islands = islands_on_disk(state, [fs.merged_by for fs in self._frags], self.clock())
         self._xi_quorum = Ema.from_dict(state["xi_quorum"])
         self._xi_sync = Ema.from_dict(state["xi_sync"])
         self.metrics = RunMetrics.from_dict(state.get("metrics"), self.cfg.uptime_window_s)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco.config import TOKEN_ENV
+from ds_diloco.coordinator import islands_on_disk, merges_on_disk
 from ds_diloco.fragments import Fragment, FragmentPlan
 from ds_diloco.model_card import RunSummary, load_run_summary, model_card
 from ds_diloco.state_store import StateStore
@@ -140,22 +141,28 @@ def _from_state_dir(root: Path) -> GlobalModel:
         )
     config = store.read_json("model/config.json")
     tensors: dict[str, torch.Tensor] = {}
-    versions = []
+    versions, merged_by = [], []
     for frag in plan.fragments:
         try:
-            version, values, _ = store.read_fragment(frag.index)
+            version, values, _, marks = store.read_fragment_state(frag.index)
         except FileNotFoundError as e:
             raise ValueError(f"{e}: the state directory is incomplete") from None
         tensors.update(split_fragment(frag, values))
         versions.append(version)
+        merged_by.append(marks)
+    # As the coordinator loads it: merges made durable after the table's last save count.
+    merges = (
+        [merges_on_disk(state, i, v) for i, v in enumerate(versions)] if "merges" in state else None
+    )
+    islands = {k: v.to_json() for k, v in islands_on_disk(state, merged_by, 0.0).items()}
     log.info("read %d fragments from %s at versions %s", len(plan), root, versions)
     return GlobalModel(
         config,
         _in_model_order(plan, tensors),
         versions,
         plan.signature,
-        merges=state.get("merges"),
-        islands=state.get("islands", {}),
+        merges=merges,
+        islands=islands,
         schedule=state.get("schedule", {}),  # none in states written before it was saved
         generation_config=store.read_json("model/generation_config.json"),
     )

@@ -822,6 +822,13 @@ def test_a_registration_the_state_lost_is_taken_from_the_upload_not_called_super
     with pytest.raises(CoordinatorError) as e:  # a leave from the future is not "superseded"
         back.leave("a", 3)
     assert e.value.status == 409 and wire.SUPERSEDED not in str(e.value), e.value
+    # A crash now: the merge is on disk, the adopted registration only in memory. The same
+    # upload again is still a replay (it was adopted from its mark and merged twice).
+    del back
+    again = make(tiny_config_path, tmp_path / "backup", Clock(), policy=policy)
+    with pytest.raises(CoordinatorError, match="replayed upload"):
+        send(again, "a", 0, step=2, world_size=2, incarnation=2)
+    assert again.status()["islands"]["a"]["merged"] == 1 and again.versions() == [1, 0]
 
 
 def test_a_superseded_launch_is_told_so_whatever_its_world_size(tiny_config_path, tmp_path):
@@ -834,3 +841,64 @@ def test_a_superseded_launch_is_told_so_whatever_its_world_size(tiny_config_path
     with pytest.raises(CoordinatorError) as e:
         send(coord, "a", 0, step=2, world_size=1, incarnation=1)
     assert e.value.status == 409 and wire.SUPERSEDED in str(e.value), e.value
+
+
+def _send_rank(coord, island, fragment, step, rank, world_size, base, steps=2):
+    frag = coord.plan.fragments[fragment]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    header = wire.UploadHeader(
+        island=island, rank=rank, world_size=world_size, fragment=fragment, base_version=base,
+        step=step, tokens=100, steps=steps, incarnation=1,
+    )  # fmt: skip
+    return coord.upload(wire.encode_upload(header, rank_slices(frag, full, world_size, rank)))
+
+
+def test_what_a_crash_leaves_on_disk_is_read_back_the_same_by_the_coordinator_and_export(
+    tiny_config_path, tmp_path
+):
+    # Merge counts and island counts made durable with the fragments after the table's last
+    # save: the coordinator counted them on load, an export from the state dir did not (its
+    # model card said 0 merges). And a contribution whose ranks were dropped on both sides
+    # of a restart counted as two drops (the marks of the last drop were not saved).
+    from ds_diloco.export import load_global
+
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, save_every_merges=100)
+    coord.register("a", 1, coord.plan.signature)
+    coord.register("b", 2, coord.plan.signature)
+    _send_rank(coord, "b", 0, step=2, rank=0, world_size=2, base=0)  # half of b's contribution
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge  # b's half is stale now: dropped, once
+    coord.save()
+    for step in (4, 6):
+        send(coord, "a", 0, step=step)
+        assert coord.poll(0).merge
+    assert coord.status()["islands"]["b"]["dropped"] == 1
+    del coord  # a crash: the table holds 1 merge, the fragment file 3
+    exported = load_global(tmp_path / "s")
+    assert exported.merges == [3, 0] and exported.islands["a"]["merged"] == 3, exported.islands
+    again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    assert again.status()["merges"] == [3, 0]
+    assert again.status()["islands"]["a"]["merged"] == 3
+    reply = _send_rank(again, "b", 0, step=2, rank=1, world_size=2, base=0)  # the other half
+    assert reply["status"] == "dropped", reply
+    assert again.status()["islands"]["b"]["dropped"] == 1  # the same contribution
+
+
+def test_versions_never_go_back_when_durable_merges_was_turned_off(tiny_config_path, tmp_path):
+    # The table said durable_merges (from a run that had it on); the next run, with it off,
+    # served versions 1-3 from reserved numbers and was killed before saving its table: the
+    # restart took the file's version 0 and served version 1 again with other values.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    coord.register("a", 1, coord.plan.signature)
+    coord.save()
+    del coord
+    off = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, durable_merges=False)
+    for step in (2, 4, 6):
+        send(off, "a", 0, step=step)
+        assert off.poll(0).merge
+    assert off.versions()[0] == 3
+    del off  # a crash before any save
+    again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, durable_merges=False)
+    assert again.versions()[0] > 3, again.versions()
