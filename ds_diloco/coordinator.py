@@ -141,7 +141,10 @@ class _Island:
     merged: int = 0
     dropped: int = 0
     """Contributions that will never be merged: stale, replaced by a newer one of the
-    island, or still pending when it left. merged + dropped = contributions sent."""
+    island, or still pending when it left. merged + dropped = contributions sent.
+    Durable with the table only (every ``save_every_merges`` merges, each registration,
+    shutdown): after a SIGKILL the drop counts may read lower than before it; the merge
+    counts do not (written with the fragments, ``merged_by``)."""
     tokens_merged: int = 0
     steps_merged: int = 0
     """Inner steps in this island's merged contributions, summed over fragments."""
