@@ -245,6 +245,7 @@ class FragmentSyncer:
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
         self._flushing = False  # every base holding an upload is fetched again (flush)
+        self._flush_lost = 0  # the flush's uploads that failed or were refused
         # Phase alignment. With K = 1 a round closes on the first island's upload (plus the
         # grace window); an island whose sends come later in wall time than the others'
         # finds every upload stale and every one dropped, round after round. The
@@ -865,11 +866,13 @@ class FragmentSyncer:
                 )
         except RefusedError as e:
             self.stats.refused += 1
+            self._flush_lost += self._flushing
             log.warning("%s/%d upload refused: %s", self.island, self.rank, e)
             if e.status == 409 and wire.SUPERSEDED in e.message:
                 self._superseded = e.message  # the island stops at its next agreement
         except Exception as e:  # coordinator unreachable: keep training, try again next time
             self.stats.failed += 1
+            self._flush_lost += self._flushing
             log.warning("%s/%d upload failed: %s", self.island, self.rank, e)
         if ef is not None and not accepted:
             # The residuals took this upload's rounding as delivered; it was not taken, and
@@ -911,11 +914,12 @@ class FragmentSyncer:
             return []
         t0 = time.monotonic()
         with self._lock:
-            self._flushing = True
+            self._flushing, self._flush_lost = True, 0
         self._settle(t0 + timeout_s / 2, refetch=True)
         sent = self._send_progress(self._last_step)
         self.stats.flushed += len(sent)
-        self.stats.flush_unsettled += self._settle(t0 + timeout_s)
+        # Failed or refused, an upload waits for nothing: its result is missing all the same.
+        self.stats.flush_unsettled += self._settle(t0 + timeout_s) + self._flush_lost
         self.stats.flush_s += time.monotonic() - t0
         log.info(
             "%s/%d flush: sent fragments %s; %d result(s) missing after %.2f s",

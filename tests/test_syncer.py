@@ -304,6 +304,20 @@ def test_finishing_with_a_coordinator_gone_tries_it_once_more_not_for_every_wait
     assert time.monotonic() - t0 < 2.0 + syncer_mod.GONE_RETRY_S + 5.0
 
 
+def test_a_flush_whose_uploads_fail_counts_their_results_as_missing(tiny_config_path, tmp_path):
+    # Failed uploads wait for no result: the flush said "0 result(s) missing" for two
+    # fragments sent to a coordinator that refused connections.
+    srv = ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1))
+    client = CoordinatorClient(srv.url, "t", retries=0)
+    (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), 1)
+    s.bootstrap()
+    train(s, range(1, 4))  # fragment 0 sent at step 2; both have steps since
+    srv.stop()
+    sent = s.flush(timeout_s=2.0)
+    assert sent and s.stats.flush_unsettled == len(sent), (sent, s.stats)
+    s.close(timeout=0)
+
+
 def test_finishing_with_a_coordinator_that_hangs_tries_it_once_more(
     tiny_config_path, tmp_path, monkeypatch
 ):
