@@ -88,10 +88,30 @@ def check_islands_inputs(cfg: RunConfig) -> None:
         ) from None
 
 
-def free_port() -> int:
+_PORTS_GIVEN: set[int] = set()
+
+
+def _unbound_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port() -> int:
+    """A port nothing listens on now and that this process has not handed out before.
+
+    The port is free only until someone binds it: the coordinator and a launcher's rank 0
+    bind theirs seconds later (imports first), and the kernel may hand the same unbound
+    port out again in between. A rank's TCPStore then met the coordinator's HTTP server
+    ("Ping failed ... Got: 1347703880", b"HTTP"), so a port is never handed out twice."""
+    for _ in range(100):
+        port = _unbound_port()
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError(
+        f"no free port: the kernel kept giving ports already handed out ({len(_PORTS_GIVEN)})"
+    )
 
 
 def _env(token: str, ranks: int) -> dict:

@@ -16,12 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.fragments import FragmentPlan
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ds_diloco.run import free_port
 
 
 def start(config_file, port):

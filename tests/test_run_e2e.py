@@ -528,6 +528,22 @@ def test_a_run_that_pushes_to_the_hub_checks_its_token_before_anything_starts(
     assert not (tmp_path / "run").exists()  # no coordinator, no island, no workdir
 
 
+def test_a_port_handed_out_is_never_handed_out_again(monkeypatch):
+    # The coordinator binds its port seconds after it is chosen; the kernel gave the same
+    # unbound port to an island's launcher in between, and a rank's TCPStore met the
+    # coordinator's HTTP server (a CI run failed so).
+    first = run_mod.free_port()
+    second = run_mod._unbound_port()
+    while second == first:
+        second = run_mod._unbound_port()
+    offered = iter([first, first, second])
+    monkeypatch.setattr(run_mod, "_unbound_port", lambda: next(offered))
+    assert run_mod.free_port() == second
+    monkeypatch.setattr(run_mod, "_unbound_port", lambda: first)
+    with pytest.raises(RuntimeError, match="no free port"):
+        run_mod.free_port()
+
+
 def test_a_launcher_seen_gone_with_its_group_is_never_signalled_again(monkeypatch):
     # Its pid is free once the group is empty: a later job given that pid as group leader
     # was SIGTERMed, then SIGKILLed, by stop() (reproduced in a pid namespace).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator
 from ds_diloco.hf_model import build_model, lm_loss
 from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.run import free_port
 from ds_diloco.server import ServerThread
 from ds_diloco.sharding import shard_slice
 
@@ -51,12 +51,6 @@ ODD_LLAMA = {
 }
 LR, WEIGHT_DECAY = 1e-2, 0.01
 MINMAX = [[3, -1, 7, 0, 2**40, -5], [5, -2, 7, 10, -(2**40), -5]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
