@@ -77,6 +77,7 @@ def main() -> None:
             (Path(args.save) / "versions.json").write_text(json.dumps(versions))
             print(f"done: global versions {versions}", flush=True)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group: no gloo thread left for teardown
 
 
 if __name__ == "__main__":

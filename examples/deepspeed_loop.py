@@ -91,6 +91,11 @@ def main() -> None:
             plain.load_state_dict(full, strict=False)
             plain.save_pretrained(args.save)
             (Path(args.save) / "versions.json").write_text(json.dumps(versions))
+    # Torch's own advice: tear the process group down before exiting. Left to interpreter
+    # teardown, a gloo worker thread still freeing the last collective's tensors needs
+    # the GIL after finalization began, and the rank aborts ("terminate called without
+    # an active exception", seen once in CI on the rank that left first).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

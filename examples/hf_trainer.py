@@ -73,6 +73,7 @@ def main() -> None:
             (Path(args.save) / "versions.json").write_text(json.dumps(diloco.versions))
             print(f"done: global versions {diloco.versions}", flush=True)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # no gloo thread left for interpreter teardown
 
 
 if __name__ == "__main__":
