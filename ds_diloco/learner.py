@@ -59,15 +59,23 @@ def zero_stage(engine) -> int:
     return int(stage())
 
 
-def _stop_at_exit(ref: weakref.ref) -> None:
-    """A Learner never closed (the user's loop raised): stop its transport threads before the
-    interpreter tears down. Left running, one caught inside torch there aborted the process
-    ("terminate called without an active exception", exit 134 instead of the error's 1)
-    in 3 of 4 runs. No flush, no collective: the ranks may not all be here."""
+def _at_exit(ref: weakref.ref, ended: dict) -> None:
+    """At interpreter exit, before teardown.
+
+    A Learner never closed (the user's loop raised): stop its transport threads. Left
+    running, one caught inside torch there aborted the process ("terminate called without
+    an active exception", exit 134 instead of the error's 1) in 3 of 4 runs. No flush, no
+    collective, no teardown that could wait on a rank: the ranks may not all be here.
+
+    One closed at the end of the loop (on every rank): tear a gloo process group down
+    if the script left it up (:func:`zero.teardown_gloo`).
+    """
     learner = ref()
     if learner is not None and not learner._closed:
         learner._closed = True
         learner.syncer.close(timeout=0)
+    elif ended["together"]:
+        zero.teardown_gloo()
 
 
 class Learner:
@@ -146,7 +154,8 @@ class Learner:
         self._first = True  # the next optimizer step must be the engine's next
         self._tokens = 0
         self._closed = False
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        self._ended = {"together": False}  # close() returned on the normal path (every rank)
+        atexit.register(_at_exit, weakref.ref(self), self._ended)
 
     def _reach(self, probe: CoordinatorClient, timeout_s: float) -> dict:
         """The run's plan, retrying an unreachable coordinator for ``timeout_s``."""
@@ -302,12 +311,14 @@ class Learner:
             return None
         self._closed = True
         try:  # leave: no quorum should count on this island any more
-            return self.syncer.finish(
+            versions = self.syncer.finish(
                 leave=leave, take_global=take_global, flush_timeout_s=flush_timeout_s,
                 flush=flush,
             )  # fmt: skip
         except RuntimeError as e:  # raised on every rank together; the local model is intact
             raise LearnerError(f"island {self.island!r}: {e}") from e
+        self._ended["together"] = True
+        return versions
 
     def __enter__(self) -> Learner:
         return self
@@ -315,3 +326,5 @@ class Learner:
     def __exit__(self, exc_type, *exc) -> None:
         # After an error the ranks may not all get here: no flush (it is collective).
         self.close(leave=exc_type is None, flush=exc_type is None)
+        if exc_type is not None:  # the other ranks may be anywhere: no teardown at exit
+            self._ended["together"] = False

@@ -281,6 +281,34 @@ def test_a_loop_that_raises_without_closing_exits_with_its_error(
         assert proc.returncode == 1 and "terminate called" not in proc.stderr, output(proc)
 
 
+# Registered before the Learner's own exit hook, so run after it (atexit is last in, first out).
+REPORT_AT_EXIT = """
+import atexit, torch
+atexit.register(lambda: print("group up at exit:", torch.distributed.is_initialized(), flush=True))
+"""
+CLOSING_LOOP = CRASHING_LOOP.replace(
+    "zero.init_distributed()", "zero.init_distributed()" + REPORT_AT_EXIT
+)
+
+
+def test_a_loop_that_closes_its_learner_leaves_no_gloo_group_to_interpreter_teardown(
+    coordinator, tiny_config_path, tmp_path
+):
+    # A rank that exits right after its last collective with the group still up aborts in
+    # teardown now and then ("terminate called without an active exception"): CI failed on
+    # the deepspeed loop example that way. After close() the Learner's exit hook tears a
+    # gloo group down; after an error it must not (other ranks may still be in a collective).
+    closing = tmp_path / "closing.py"
+    closing.write_text(CLOSING_LOOP.replace('raise RuntimeError("the user\'s loop crashed")',
+                                            "learner.close()"))  # fmt: skip
+    proc = run_single(closing, [tiny_config_path, str(DS_CPU), coordinator.url])
+    assert proc.returncode == 0 and "group up at exit: False" in proc.stdout, output(proc)
+    crashing = tmp_path / "crashing.py"
+    crashing.write_text(CLOSING_LOOP)
+    proc = run_single(crashing, [tiny_config_path, str(DS_CPU), coordinator.url])
+    assert proc.returncode == 1 and "group up at exit: True" in proc.stdout, output(proc)
+
+
 def test_an_island_that_cannot_reach_its_coordinator_says_so_in_one_line(
     tiny_config_path, tmp_path
 ):
