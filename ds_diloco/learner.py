@@ -59,7 +59,7 @@ def zero_stage(engine) -> int:
     return int(stage())
 
 
-def _at_exit(ref: weakref.ref, ended: dict) -> None:
+def _at_exit(ref: weakref.ref, teardown: dict) -> None:
     """At interpreter exit, before teardown.
 
     A Learner never closed (the user's loop raised): stop its transport threads. Left
@@ -67,14 +67,14 @@ def _at_exit(ref: weakref.ref, ended: dict) -> None:
     an active exception", exit 134 instead of the error's 1) in 3 of 4 runs. No flush, no
     collective, no teardown that could wait on a rank: the ranks may not all be here.
 
-    One closed at the end of the loop (on every rank): tear a gloo process group down
-    if the script left it up (:func:`zero.teardown_gloo`).
+    Then, if the Learner was closed at the end of the loop (on every rank) or is alone in
+    its process group, tear a gloo group the script left up down (:func:`zero.teardown_gloo`).
     """
     learner = ref()
     if learner is not None and not learner._closed:
         learner._closed = True
         learner.syncer.close(timeout=0)
-    elif ended["together"]:
+    if teardown["at_exit"]:
         zero.teardown_gloo()
 
 
@@ -154,8 +154,10 @@ class Learner:
         self._first = True  # the next optimizer step must be the engine's next
         self._tokens = 0
         self._closed = False
-        self._ended = {"together": False}  # close() returned on the normal path (every rank)
-        atexit.register(_at_exit, weakref.ref(self), self._ended)
+        # Tear a gloo group down at exit: alone, always; else once close() returned on the
+        # normal path (on every rank, so no collective is left half-way).
+        self._teardown = {"at_exit": self.world_size == 1}
+        atexit.register(_at_exit, weakref.ref(self), self._teardown)
 
     def _reach(self, probe: CoordinatorClient, timeout_s: float) -> dict:
         """The run's plan, retrying an unreachable coordinator for ``timeout_s``."""
@@ -317,7 +319,7 @@ class Learner:
             )  # fmt: skip
         except RuntimeError as e:  # raised on every rank together; the local model is intact
             raise LearnerError(f"island {self.island!r}: {e}") from e
-        self._ended["together"] = True
+        self._teardown["at_exit"] = True
         return versions
 
     def __enter__(self) -> Learner:
@@ -327,4 +329,4 @@ class Learner:
         # After an error the ranks may not all get here: no flush (it is collective).
         self.close(leave=exc_type is None, flush=exc_type is None)
         if exc_type is not None:  # the other ranks may be anywhere: no teardown at exit
-            self._ended["together"] = False
+            self._teardown["at_exit"] = self.world_size == 1

@@ -246,16 +246,16 @@ def test_accelerate_launch_with_the_deepspeed_plugin_joins_a_run_on_two_ranks(
 
 
 CRASHING_LOOP = """
-import json, sys
+import json, os, sys
 import torch
 from ds_diloco import Learner, zero
 from ds_diloco.config import ModelSource
 from ds_diloco.hf_model import lm_loss
 
-config, ds_config, url = sys.argv[1:4]
+config, ds_config, url = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 zero.init_distributed()
 ds = {**json.loads(open(ds_config).read()), "train_micro_batch_size_per_gpu": 2,
-      "gradient_accumulation_steps": 1, "train_batch_size": 2}
+      "gradient_accumulation_steps": 1, "train_batch_size": 2 * int(os.environ["WORLD_SIZE"])}
 engine = zero.build_engine(ModelSource(config=config, seed=0), ds, 1e-3, 0.0)
 learner = Learner(engine, url, "crash")
 for step in range(3):
@@ -296,17 +296,23 @@ def test_a_loop_that_closes_its_learner_leaves_no_gloo_group_to_interpreter_tear
 ):
     # A rank that exits right after its last collective with the group still up aborts in
     # teardown now and then ("terminate called without an active exception"): CI failed on
-    # the deepspeed loop example that way. After close() the Learner's exit hook tears a
-    # gloo group down; after an error it must not (other ranks may still be in a collective).
+    # the deepspeed loop example that way. The Learner's exit hook tears a gloo group down
+    # after close() on every rank, and for a world of one even after an error; not for
+    # two ranks after an error (the other may still be in a collective: it would wait).
+    args = [tiny_config_path, str(DS_CPU), coordinator.url]
     closing = tmp_path / "closing.py"
     closing.write_text(CLOSING_LOOP.replace('raise RuntimeError("the user\'s loop crashed")',
                                             "learner.close()"))  # fmt: skip
-    proc = run_single(closing, [tiny_config_path, str(DS_CPU), coordinator.url])
-    assert proc.returncode == 0 and "group up at exit: False" in proc.stdout, output(proc)
     crashing = tmp_path / "crashing.py"
     crashing.write_text(CLOSING_LOOP)
-    proc = run_single(crashing, [tiny_config_path, str(DS_CPU), coordinator.url])
-    assert proc.returncode == 1 and "group up at exit: True" in proc.stdout, output(proc)
+    proc = deepspeed_launch(closing, 2, args)
+    assert proc.returncode == 0, output(proc)
+    assert proc.stdout.count("group up at exit: False") == 2, output(proc)
+    proc = deepspeed_launch(crashing, 2, args)
+    assert "the user's loop crashed" in proc.stderr, output(proc)
+    assert proc.stdout.count("group up at exit: True") == 2, output(proc)
+    proc = run_single(crashing, args)
+    assert proc.returncode == 1 and "group up at exit: False" in proc.stdout, output(proc)
 
 
 def test_an_island_that_cannot_reach_its_coordinator_says_so_in_one_line(
