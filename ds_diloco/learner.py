@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 import weakref
 
@@ -59,7 +60,7 @@ def zero_stage(engine) -> int:
     return int(stage())
 
 
-def _at_exit(ref: weakref.ref, teardown: dict) -> None:
+def _at_exit(ref: weakref.ref, state: dict) -> None:
     """At interpreter exit, before teardown.
 
     A Learner never closed (the user's loop raised): stop its transport threads. Left
@@ -67,14 +68,17 @@ def _at_exit(ref: weakref.ref, teardown: dict) -> None:
     an active exception", exit 134 instead of the error's 1) in 3 of 4 runs. No flush, no
     collective, no teardown that could wait on a rank: the ranks may not all be here.
 
-    Then, if the Learner was closed at the end of the loop (on every rank) or is alone in
-    its process group, tear a gloo group the script left up down (:func:`zero.teardown_gloo`).
+    Then tear a gloo group the script left up down (:func:`zero.teardown_gloo`) if this
+    rank is alone in it, or if the Learner was closed at the end of the loop (on every
+    rank) and no error ended the script since: after an error, a collective of the
+    script's may still be pending, and the teardown would wait on the other ranks.
     """
     learner = ref()
     if learner is not None and not learner._closed:
         learner._closed = True
         learner.syncer.close(timeout=0)
-    if teardown["at_exit"]:
+    crashed = hasattr(sys, "last_exc") or hasattr(sys, "last_value")  # set for an unhandled one
+    if state["alone"] or (state["closed"] and not crashed):
         zero.teardown_gloo()
 
 
@@ -156,8 +160,8 @@ class Learner:
         self._closed = False
         # Tear a gloo group down at exit: alone, always; else once close() returned on the
         # normal path (on every rank, so no collective is left half-way).
-        self._teardown = {"at_exit": self.world_size == 1}
-        atexit.register(_at_exit, weakref.ref(self), self._teardown)
+        self._exit_state = {"alone": self.world_size == 1, "closed": False}
+        atexit.register(_at_exit, weakref.ref(self), self._exit_state)
 
     def _reach(self, probe: CoordinatorClient, timeout_s: float) -> dict:
         """The run's plan, retrying an unreachable coordinator for ``timeout_s``."""
@@ -319,7 +323,7 @@ class Learner:
             )  # fmt: skip
         except RuntimeError as e:  # raised on every rank together; the local model is intact
             raise LearnerError(f"island {self.island!r}: {e}") from e
-        self._teardown["at_exit"] = True
+        self._exit_state["closed"] = True  # on the normal path: every rank got here
         return versions
 
     def __enter__(self) -> Learner:
@@ -329,4 +333,4 @@ class Learner:
         # After an error the ranks may not all get here: no flush (it is collective).
         self.close(leave=exc_type is None, flush=exc_type is None)
         if exc_type is not None:  # the other ranks may be anywhere: no teardown at exit
-            self._teardown["at_exit"] = self.world_size == 1
+            self._exit_state["closed"] = False

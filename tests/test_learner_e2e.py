@@ -298,19 +298,23 @@ def test_a_loop_that_closes_its_learner_leaves_no_gloo_group_to_interpreter_tear
     # teardown now and then ("terminate called without an active exception"): CI failed on
     # the deepspeed loop example that way. The Learner's exit hook tears a gloo group down
     # after close() on every rank, and for a world of one even after an error; not for
-    # two ranks after an error (the other may still be in a collective: it would wait).
+    # two ranks after an error, before or after close() (a collective may be pending: the
+    # teardown would wait for the other rank).
     args = [tiny_config_path, str(DS_CPU), coordinator.url]
     closing = tmp_path / "closing.py"
     closing.write_text(CLOSING_LOOP.replace('raise RuntimeError("the user\'s loop crashed")',
                                             "learner.close()"))  # fmt: skip
     crashing = tmp_path / "crashing.py"
     crashing.write_text(CLOSING_LOOP)
+    closed_then_crashing = tmp_path / "closed_then_crashing.py"
+    closed_then_crashing.write_text(CLOSING_LOOP.replace("raise RuntimeError", "learner.close()\nraise RuntimeError"))  # fmt: skip
     proc = deepspeed_launch(closing, 2, args)
     assert proc.returncode == 0, output(proc)
     assert proc.stdout.count("group up at exit: False") == 2, output(proc)
-    proc = deepspeed_launch(crashing, 2, args)
-    assert "the user's loop crashed" in proc.stderr, output(proc)
-    assert proc.stdout.count("group up at exit: True") == 2, output(proc)
+    for script in (crashing, closed_then_crashing):
+        proc = deepspeed_launch(script, 2, args)
+        assert "the user's loop crashed" in proc.stderr, output(proc)
+        assert proc.stdout.count("group up at exit: True") == 2, output(proc)
     proc = run_single(crashing, args)
     assert proc.returncode == 1 and "group up at exit: False" in proc.stdout, output(proc)
 
