@@ -102,11 +102,13 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     # The ds_diloco launch really synced: every rank uploaded, the coordinator merged,
     # and the ranks applied merged fragments.
     assert all(r["plain"] is False for r in ds.ranks)
-    # (one fragment per step, and on leaving the fragments with steps after their last send)
-    assert all(
-        r["stats"]["uploads"] == STEPS + r["stats"]["flushed"] and r["stats"]["failed"] == 0
-        for r in ds.ranks
-    ), [r["stats"] for r in ds.ranks]
+    # One fragment due per step: sent, or skipped by the whole island (its base not ready:
+    # on a loaded machine downloads lag, and a CI run skipped 4 of 8); and on leaving, the
+    # fragments with steps after their last send. None lost on the way.
+    for r in ds.ranks:
+        s = r["stats"]
+        assert s["uploads"] + s["skipped"] == STEPS + s["flushed"] and s["uploads"] > 0, s
+        assert s["failed"] == s["refused"] == 0, s
     assert ds.coordinator_versions is not None and max(ds.coordinator_versions) > 0
     assert all(max(r["versions"]) > 0 and r["stats"]["applied"] > 0 for r in ds.ranks), ds.ranks
     assert ds.coordinator_cpu_s is not None and ds.coordinator_cpu_s >= 0

@@ -93,9 +93,11 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
     assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
-    # The islands were started while the coordinator was starting up, not after it.
+    # The islands were started while the coordinator was starting up, not after it (the
+    # same hundredth of a second when starting them took as long as its start-up: a CI
+    # run on a loaded machine said 6.74 and 6.74).
     up = summary["startup"]
-    assert up["coordinator_spawned_s"] <= up["islands_started_s"] < up["coordinator_up_s"], up
+    assert up["coordinator_spawned_s"] <= up["islands_started_s"] <= up["coordinator_up_s"], up
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(workdir / "tensorboard"))
