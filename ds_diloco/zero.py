@@ -294,7 +294,7 @@ def teardown_gloo() -> None:
     Call it only once every rank is done with collectives: a gloo teardown with work
     still pending waits for the other ranks. NCCL's is not left to an exit hook."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
-        torch.distributed.destroy_process_group()
+        shutdown()
 
 
 def gather_full_params(engine) -> dict[str, torch.Tensor]:
