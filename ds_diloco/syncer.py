@@ -54,6 +54,8 @@ IDLE_LEASE_S = 120.0
 island's lease lapses and no quorum waits for it. A ``train()`` that raised in a process
 that lives on (a notebook, a caught error) never closes the syncer; its threads kept the
 lease for ever, and with K = M no round closed. The next step renews it."""
+STAGE_CHUNK = 1 << 20
+"""Values per copy of a send staged on the GPU to the host (a 4 MiB buffer, reused)."""
 TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) after this
 GONE_RETRY_S = 10.0  # finish(): how long a coordinator found gone is tried once more
 
@@ -169,6 +171,25 @@ class _Slot:
 
 
 @dataclasses.dataclass
+class _Staged:
+    """A send whose local values were copied on their device; the upload thread subtracts
+    them from the base once ``ready`` (a CUDA event after the copies; None: done) passed."""
+
+    base: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
+def _copies_done(t: torch.Tensor) -> torch.cuda.Event | None:
+    """An event after the work queued so far on ``t``'s GPU (None on the CPU: done)."""
+    if not t.is_cuda:
+        return None
+    ready = torch.cuda.Event()
+    ready.record()
+    return ready
+
+
+@dataclasses.dataclass
 class SyncStats:
     uploads: int = 0
     dropped: int = 0
@@ -179,6 +200,9 @@ class SyncStats:
     skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn, or ...
     skipped_late: int = 0  # ... its last result came H steps late: applied at the send step
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
+    send_s: float = 0.0  # training thread: reading the local values of the fragments sent
+    apply_s: float = 0.0  # training thread: writing merged fragments into the shard
+    cache_s: float = 0.0  # training thread: dropping ZeRO-3's gathered copies after applies
     bytes_sent: int = 0  # upload bodies the coordinator answered (payload, scales, header)
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap, before flush: must stay 0
@@ -242,6 +266,9 @@ class FragmentSyncer:
         # fragment is not sent again before a download has written the base.
         self._uploads: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
+        self._staged = 0  # sends staged on the GPU, not yet subtracted (_stage_on_device)
+        self._copy_stream = None  # the upload thread's CUDA stream for copies to the host
+        self._host_chunk: torch.Tensor | None = None  # and its buffer (pinned), STAGE_CHUNK
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
         self._flushing = False  # every base holding an upload is fetched again (flush)
@@ -432,8 +459,12 @@ class FragmentSyncer:
                         f"{self._superseded or 'another rank was refused as superseded'}"
                     )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
+                t0 = time.perf_counter()
                 applied = self._apply_agreed(due, held, lows, highs)
+                t1 = time.perf_counter()
                 self._flush()
+                self.stats.apply_s += t1 - t0
+                self.stats.cache_s += time.perf_counter() - t1
                 if send is not None:
                     # Usable on every rank; the island's tokens are the sum of its ranks'.
                     # Its result applied just now (it came H steps late): nothing trained
@@ -561,16 +592,27 @@ class FragmentSyncer:
             return
         # No download writes this base now: the caller holds its lock, or it was applied
         # this step (a download only writes a slot that waits for a result).
+        t0 = time.perf_counter()
         with slot.lock, torch.no_grad():
-            # On the host whatever device the shard lives on (the base copy is host memory).
-            # keep_local_steps holds on to a copy (read() is a live view of the shard).
-            copy = self.keep_local_steps
-            local = {n: self.access.read(n).to("cpu", copy=copy) for n in frag.names}
-            # In place: the base becomes the pseudo-gradient, and the body aliases it.
-            delta = {n: slot.base[n].sub_(local[n]) for n in frag.names}
-            if copy:
+            local = {n: self.access.read(n) for n in frag.names}
+            if self._stage_on_device(local):
+                # A copy on the GPU, queued after the optimizer step: the copy to the host
+                # and the subtraction run in the upload thread, not in the training loop.
+                local = {n: t.clone() for n, t in local.items()}
+                delta = _Staged(slot.base, local, _copies_done(next(iter(local.values()))))
+                with self._lock:
+                    self._staged += 1
+            else:
+                # On the host whatever device the shard lives on (the base copy is host
+                # memory). keep_local_steps holds on to a copy (read() is a live view).
+                copy = self.keep_local_steps
+                local = {n: t.to("cpu", copy=copy) for n, t in local.items()}
+                # In place: the base becomes the pseudo-gradient, and the body aliases it.
+                delta = {n: slot.base[n].sub_(local[n]) for n in frag.names}
+            if self.keep_local_steps:
                 slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
             del local
+        self.stats.send_s += time.perf_counter() - t0
         header = wire.UploadHeader(
             island=self.island,
             rank=self.rank,
@@ -604,7 +646,7 @@ class FragmentSyncer:
                 sent = slot.sent_values[name].to(new.device)
                 new = new + (self.access.read(name).to(new.device) - sent)
             elif blend and self.alpha > 0.0:
-                new = self.alpha * self.access.read(name) + (1.0 - self.alpha) * new
+                new = self.alpha * self.access.read(name).to(new.device) + (1.0 - self.alpha) * new
             self.access.write(name, new)
         with self._lock:
             # The counters follow the local values: with the steps since the upload kept,
@@ -699,6 +741,8 @@ class FragmentSyncer:
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
+            if isinstance(delta, _Staged):
+                delta = self._unstage(index, delta)
             keys = [(header.fragment, n) for n in delta]  # its error-feedback residuals
             body = self._encode(header, delta, keys)
             del delta
@@ -713,6 +757,38 @@ class FragmentSyncer:
                         slot.in_flight = False
             del body
             self._uploads.task_done()
+
+    def _stage_on_device(self, local: dict[str, torch.Tensor]) -> bool:
+        """Stage this send on the GPU: the shard is there and no other send is staged (at
+        most one fragment's copy, 1/P of the shard, is held in GPU memory)."""
+        t = next(iter(local.values()), None)
+        return t is not None and t.is_cuda and self._staged == 0
+
+    def _unstage(self, index: int, staged: _Staged) -> dict[str, torch.Tensor]:
+        """The staged send's pseudo-gradient, in place in its base (the upload thread)."""
+        slot = self.slots[index]
+        stream = contextlib.nullcontext()
+        if staged.ready is not None:
+            staged.ready.synchronize()  # the copy on the GPU is done
+            if self._copy_stream is None:  # copies to the host beside the training kernels
+                device = next(iter(staged.local.values())).device
+                self._copy_stream = torch.cuda.Stream(device=device)
+                self._host_chunk = torch.empty(STAGE_CHUNK, pin_memory=True)
+            stream = torch.cuda.stream(self._copy_stream)
+        elif self._host_chunk is None:
+            self._host_chunk = torch.empty(STAGE_CHUNK)
+        # Through one small host buffer, chunk by chunk: a copy of the whole fragment on the
+        # host would be 1/P of the shard more host memory at every send.
+        with slot.lock, torch.no_grad(), stream:
+            for name, t in staged.local.items():
+                base = staged.base[name]
+                for a in range(0, t.numel(), STAGE_CHUNK):
+                    chunk = self._host_chunk[: min(STAGE_CHUNK, t.numel() - a)]
+                    chunk.copy_(t[a : a + chunk.numel()])
+                    base[a : a + chunk.numel()].sub_(chunk)
+        with self._lock:
+            self._staged -= 1
+        return {name: staged.base[name] for name in staged.local}
 
     def _sent(self, slot: _Slot) -> None:
         with self._lock:

@@ -177,9 +177,12 @@ class ZeroShardAccess:
         if values.numel() != n:
             raise ValueError(f"{name}: {values.numel()} values for a slice of {n}")
         master = self._get(p)
+        # One copy to the master's device (the base copy is host memory); the compute
+        # partition is written from there, converted on that device.
+        values = values.to(master.device)
         master[:n].copy_(values)  # a live view: the padding tail keeps its contents
         self._set(p, master)
-        p.ds_tensor.view(-1)[:n].copy_(values.to(p.ds_tensor.dtype))
+        p.ds_tensor.view(-1)[:n].copy_(values)
         self._dirty = True
 
     def flush(self) -> None:

@@ -46,7 +46,22 @@ def wait_for(cond, timeout=20.0):
     raise AssertionError("condition not met in time")
 
 
-def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path, tmp_path):
+@pytest.fixture(params=["direct", "staged"])
+def send_path(request, monkeypatch):
+    """Both ways a send reads the local values: subtracted at the step (a shard on the CPU),
+    or copied at the step and subtracted by the upload thread (a shard on a GPU; forced here
+    on the CPU, where the copy is a plain clone and no event is waited for)."""
+    if request.param == "staged":
+        monkeypatch.setattr(
+            FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0
+        )
+        monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)  # slices of several chunks
+    return request.param
+
+
+def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
+    tiny_config_path, tmp_path, send_path
+):
     cfg = CoordinatorConfig(
         model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
         num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
@@ -91,7 +106,8 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(tiny_config_path
         for s in ranks:
             s.close()
         assert all(s.stats.uploads == 2 and s.stats.failed == 0 for s in ranks)
-        assert all(s.stats.network_calls_in_loop == 0 for s in ranks)
+        assert all(s.stats.network_calls_in_loop == 0 and s._staged == 0 for s in ranks)
+        assert all(s.stats.send_s > 0 and s.stats.apply_s > 0 for s in ranks)
         # The transport threads' CPU time (counted when they end): above 0, below the wall.
         assert all(0 < s.stats.transport_cpu_s < 2 * 20.0 for s in ranks)
 
@@ -767,7 +783,7 @@ def test_an_island_that_follows_the_merged_versions_late_is_told_so_and_moves_it
 
 
 def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_the_way(
-    tiny_config_path, tmp_path
+    tiny_config_path, tmp_path, send_path
 ):
     """One island, outer averaging: a merged fragment is the island's values at the upload.
     Overwriting would undo the tau steps since; keeping them, no step is ever lost."""

@@ -377,6 +377,11 @@ class Side:
     """Of the sync part: the ranks' agreement collective."""
     transport_cpu_per_step_s: float = 0.0
     """CPU time of a rank's syncer transport threads (uploads, downloads) per step."""
+    send_per_step_s: float = 0.0
+    """Of the sync part: reading the local values of the fragments sent."""
+    apply_per_step_s: float = 0.0
+    """Of the sync part: writing merged fragments into the shard and dropping ZeRO-3's
+    gathered copies."""
 
 
 @dataclasses.dataclass
@@ -560,6 +565,8 @@ class IslandBench:
             sync_per_step_s=med(per_step("sync_s")),
             agree_per_step_s=med(stat("agree_s")),
             transport_cpu_per_step_s=med(stat("transport_cpu_s")),
+            send_per_step_s=med(stat("send_s")),
+            apply_per_step_s=med(lambda x: stat("apply_s")(x) + stat("cache_s")(x)),
         )
 
     def rows(self) -> list[Row]:
@@ -793,7 +800,8 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
             f"    {row.name:7s} train part plain {_ms(p.train_per_step_s)} -> ds_diloco "
             f"{_ms(s.train_per_step_s)} ({slower_ms:+.1f} ms); sync "
             f"part {_ms(s.sync_per_step_s)} = {100 * s.sync_per_step_s / total:.1f}% of the "
-            f"step, of it agreement collective {_ms(s.agree_per_step_s)}; transport threads "
+            f"step, of it agreement collective {_ms(s.agree_per_step_s)}, sends "
+            f"{_ms(s.send_per_step_s)}, applies {_ms(s.apply_per_step_s)}; transport threads "
             f"{_ms(s.transport_cpu_per_step_s)} CPU per step"
         )
     pc, dc = bench.island_cpu_s("plain"), bench.island_cpu_s("ds_diloco")
