@@ -302,7 +302,11 @@ def _read_exact(stream, n: int) -> bytes:
     return bytes(buf)
 
 
-_READ_CHUNK = 1 << 20  # a stream may buffer what one readinto asks for: keep that small
+_READ_CHUNK = 1 << 24
+"""Bytes asked of the stream per read. Each read takes the GIL back, from a training loop
+that holds it: measured with a pure-Python loop beside it, a 94 MiB download read in
+1 MiB pieces took ~700 reads and ran at half the rate of 16 MiB pieces (4 vs 9 downloads
+in 2 s); plain HTTP reads straight into the destination, so no buffer grows with it."""
 
 
 def _readinto(stream, view: memoryview) -> None:
