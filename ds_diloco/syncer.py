@@ -7,8 +7,12 @@ due it sends ``base - local`` with the fragment's counters. The pseudo-gradient
 is computed in place in the base and sent from there: no buffer of its own. The
 base then holds the upload until a download writes it again: the fragment's
 merged result, or (the upload failed, was dropped or its result was lost) the
-version it started from, fetched again before the fragment's next send. Uploads and the
-wait for the merged result run in a background thread: the training loop
+version it started from, fetched again before the fragment's next send. With the shard
+on a GPU, a send copies the fragment's slices there (1/P of the shard in GPU memory, at
+most one fragment at a time) and the upload thread subtracts them from the base: the
+training loop neither waits for the copy to the host nor does the subtraction (measured
+on one H200, 125M Llama: island step 1.355x plain ZeRO-3 before, 1.18x after). Uploads
+and the wait for the merged result run in a background thread: the training loop
 calls :meth:`FragmentSyncer.on_step` after each inner step and never blocks on
 the network. A merged fragment is applied at the first step boundary at or
 after ``send step + tau`` once it has arrived; until then training goes on.
@@ -779,15 +783,17 @@ class FragmentSyncer:
             self._host_chunk = torch.empty(STAGE_CHUNK)
         # Through one small host buffer, chunk by chunk: a copy of the whole fragment on the
         # host would be 1/P of the shard more host memory at every send.
-        with slot.lock, torch.no_grad(), stream:
-            for name, t in staged.local.items():
-                base = staged.base[name]
-                for a in range(0, t.numel(), STAGE_CHUNK):
-                    chunk = self._host_chunk[: min(STAGE_CHUNK, t.numel() - a)]
-                    chunk.copy_(t[a : a + chunk.numel()])
-                    base[a : a + chunk.numel()].sub_(chunk)
-        with self._lock:
-            self._staged -= 1
+        try:
+            with slot.lock, torch.no_grad(), stream:
+                for name, t in staged.local.items():
+                    base = staged.base[name]
+                    for a in range(0, t.numel(), STAGE_CHUNK):
+                        chunk = self._host_chunk[: min(STAGE_CHUNK, t.numel() - a)]
+                        chunk.copy_(t[a : a + chunk.numel()])
+                        base[a : a + chunk.numel()].sub_(chunk)
+        finally:
+            with self._lock:
+                self._staged -= 1
         return {name: staged.base[name] for name in staged.local}
 
     def _sent(self, slot: _Slot) -> None:
