@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seeds of the three methods: loss ratio = mean over seeds (default 3)")  # fmt: skip
     bq.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "int4"],
                     help="codec of the main DiLoCo runs (default int4)")  # fmt: skip
+    bq.add_argument("--residual", default=None, choices=["float32", "bfloat16"],
+                    help="how the DiLoCo islands keep error-feedback residuals (default float32)")  # fmt: skip
     bq.add_argument("--no-codecs", action="store_true", help="skip the codec variants")
     bq.add_argument("--codecs", default=None,
                     help="codec variants, comma-separated, or 'all' (default none)")  # fmt: skip

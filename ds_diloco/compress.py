@@ -52,6 +52,8 @@ import torch
 
 CodecName = Literal["none", "bf16", "int8", "int4"]
 Rounding = Literal["nearest", "stochastic"]
+Residual = Literal["float32", "bfloat16"]
+_RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CODECS: tuple[str, ...] = ("none", "bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 """The largest level encode writes; a decoder may still meet -128 (int8) or -8 (int4)."""
@@ -71,6 +73,12 @@ class Codec:
     rounding: Rounding = "nearest"
     """``nearest`` (error <= scale/2) or ``stochastic`` (unbiased; needs a generator for
     reproducible results). Only the sender needs to know: decoding ignores it."""
+    residual: Residual = "float32"
+    """How the sender keeps its error-feedback residuals (lossy codecs): ``float32``, or
+    ``bfloat16`` for half the memory (the residuals are one more copy of the sender's
+    shard: a whole fp32 copy, or half of one). A bfloat16 residual is rounded when kept,
+    by at most 2**-9 of itself, which is under half a quantisation step: what is lost per
+    step is that much of a rounding error, never a part of the values."""
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
@@ -83,6 +91,10 @@ class Codec:
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(
                 f"codec rounding: must be 'nearest' or 'stochastic', got {self.rounding!r}"
+            )
+        if self.residual not in _RESIDUAL_DTYPES:
+            raise ValueError(
+                f"codec residual: must be 'float32' or 'bfloat16', got {self.residual!r}"
             )
 
     @classmethod
@@ -343,7 +355,10 @@ class ErrorFeedback:
     ``residual = delta + residual - decode(sent)``, so the sum of everything sent
     for a key equals the sum of the deltas minus the current residual: the
     quantisation error does not accumulate. Memory: one float32 buffer per key,
-    updated in place; a step allocates only encode's and decode's temporaries.
+    updated in place; a step allocates only encode's and decode's temporaries. With
+    ``codec.residual == "bfloat16"`` the buffer is bfloat16 (half the memory) and a step
+    also takes a float32 temporary of the key's size; the sum sent then tracks the sum
+    of the deltas within the residual plus the bfloat16 roundings of the residuals kept.
     """
 
     def __init__(self, codec: Codec, *, seed: int = 0) -> None:
@@ -366,15 +381,19 @@ class ErrorFeedback:
             )
         _check_finite(delta, f"delta for key {key!r}")
         if r is None:
-            r = torch.zeros(delta.shape, dtype=torch.float32, device=delta.device)
+            dtype = _RESIDUAL_DTYPES[self.codec.residual]
+            r = torch.zeros(delta.shape, dtype=dtype, device=delta.device)
             self._residuals[key] = r
-        r.add_(delta)
+        # float32: summed in place in the residual; bfloat16: in a float32 temporary.
+        x = r.add_(delta) if r.dtype == torch.float32 else delta.to(torch.float32) + r
         try:
-            enc = encode(r, self.codec, self._generator(r.device))
+            enc = encode(x, self.codec, self._generator(r.device))
         except ValueError:
             r.zero_()  # delta + residual overflowed float32: nothing sensible to keep
             raise
-        r.sub_(_dequantise(enc))
+        x.sub_(_dequantise(enc))
+        if x is not r:
+            r.copy_(x)  # rounded to bfloat16
         return enc
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
@@ -407,9 +426,10 @@ class ErrorFeedback:
             raise ValueError(f"error-feedback state is malformed ({e!r})") from None
         if codec != self.codec:
             raise ValueError(f"error-feedback state is for {codec}, this one uses {self.codec}")
+        dtype = _RESIDUAL_DTYPES[codec.residual]
         for k, r in residuals.items():
-            if not isinstance(r, torch.Tensor) or r.dtype != torch.float32:
-                raise ValueError(f"residual of key {k!r} must be a float32 tensor")
+            if not isinstance(r, torch.Tensor) or r.dtype != dtype:
+                raise ValueError(f"residual of key {k!r} must be a {codec.residual} tensor")
             _check_finite(r, f"residual of key {k!r}")
         self.seed = seed
         self._residuals = {k: r.clone() for k, r in residuals.items()}

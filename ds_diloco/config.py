@@ -139,7 +139,8 @@ class CoordinatorConfig:
     setting; the coordinator decodes whatever codec an upload names. Error feedback keeps
     each rank's quantisation residuals: one more fp32 copy of its shard in host memory
     (two in all with the base copy), filled as fragments are first sent (llama-1b on one
-    H200, int4: peak RSS 10.7 GB per rank against 3.4 GB plain ZeRO-3, shard 4.0 GB)."""
+    H200, int4: peak RSS 10.7 GB per rank against 3.4 GB plain ZeRO-3, shard 4.0 GB);
+    ``residual: bfloat16`` keeps them in half of that."""
     save_every_merges: int = 10
     """Write changed fragments to ``state_dir`` after this many merges (and on SIGTERM)."""
     max_body_mb: float = 1024.0

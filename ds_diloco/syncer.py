@@ -259,7 +259,8 @@ class FragmentSyncer:
         # needs none. From the rows: versions held (min, max) and the island's tokens (sum).
         self.agree = agree or (lambda values: [values])
         # Compressed uploads keep a quantisation residual per (fragment, tensor) of this
-        # rank: one more fp32 copy of the shard in all, allocated as fragments are sent.
+        # rank: one more fp32 copy of the shard in all (half of one with the codec's
+        # residual: bfloat16), allocated as fragments are sent.
         lossy = codec is not None and codec.name != "none"
         self.feedback = compress.ErrorFeedback(codec, seed=rank) if lossy else None
         self.slots = [_Slot(base) for base in self._base_views()]

@@ -61,6 +61,7 @@ def test_codec_from_name_and_defaults():
         ({"name": "int8", "block": 64.0}, "codec block"),
         ({"name": "int8", "block": True}, "codec block"),
         ({"name": "int8", "rounding": "up"}, "codec rounding"),
+        ({"name": "int4", "residual": "float16"}, "codec residual: must be 'float32' or"),
     ],
 )
 def test_codec_rejects_bad_fields(kwargs, match):
@@ -252,6 +253,34 @@ def test_error_feedback_sum_sent_tracks_sum_of_true_values(name, rounding):
     assert (true_sum - plain_sum).abs().max().item() > 20 * (worst_residual + 1e-4)
 
 
+def test_error_feedback_with_bfloat16_residuals_keeps_half_the_memory_and_still_tracks_the_sum():
+    steps, n, block = 300, 1000, 64
+    wide, half = (Codec.from_name("int4", block=block, residual=r) for r in ("float32", "bfloat16"))
+    ef, ef32 = ErrorFeedback(half), ErrorFeedback(wide)
+    true_sum, sent_sum = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    kept = torch.zeros(n, dtype=torch.float64)  # what the bfloat16 roundings took, in all
+    worst = 0.0
+    for delta in ef_deltas(steps, n, block):
+        before = ef.residual("k")
+        x = delta.double() + (before.double() if before is not None else 0.0)
+        enc = ef.compress("k", delta)
+        ef32.compress("k", delta)
+        sent = decode(enc).double()
+        true_sum += delta.double()
+        sent_sum += sent
+        residual = ef.residual("k").double()
+        kept += (x - sent) - residual  # the residual before rounding, less the one kept
+        # Each rounding is at most 2**-9 of the residual (bfloat16 has 8 significant bits).
+        assert ((x - sent) - residual).abs().le((x - sent).abs() * 2.0**-8 + 1e-12).all()
+        worst = max(worst, float(residual.abs().max()))
+    assert ef.residual("k").dtype == torch.bfloat16 and ef32.residual("k").dtype == torch.float32
+    assert ef.residual("k").nbytes * 2 == ef32.residual("k").nbytes
+    # The sum sent is the true sum less the residual and the roundings: nothing else lost.
+    torch.testing.assert_close(true_sum - sent_sum, residual + kept, rtol=0, atol=1e-4)
+    # Those roundings stay far below what plain rounding loses (the fp32 test: > 20x worst).
+    assert (true_sum - sent_sum).abs().max().item() <= 2 * worst + 1e-4
+
+
 def test_error_feedback_keeps_one_buffer_per_key_in_place():
     ef = ErrorFeedback(Codec.from_name("int4", block=64))
     a, b = sample(500, seed=9), sample(300, seed=10)
@@ -306,6 +335,17 @@ def test_error_feedback_state_dict_resumes_identically():
         ErrorFeedback(codec).load_state_dict(broken)
     with pytest.raises(ValueError, match="malformed"):
         ErrorFeedback(codec).load_state_dict({"codec": {}})
+    # Residuals kept in bfloat16 resume as such; float32 ones are refused for that codec.
+    half = Codec.from_name("int4", block=64, residual="bfloat16")
+    ef16 = ErrorFeedback(half)
+    ef16.compress("k", sample(300, seed=50))
+    again = ErrorFeedback(half)
+    again.load_state_dict(ef16.state_dict())
+    assert torch.equal(again.residual("k"), ef16.residual("k"))
+    assert again.residual("k").dtype == torch.bfloat16
+    wrong = {**ef16.state_dict(), "residuals": {"k": torch.zeros(300)}}
+    with pytest.raises(ValueError, match="residual of key 'k' must be a bfloat16 tensor"):
+        ErrorFeedback(half).load_state_dict(wrong)
 
 
 # --------------------------------------------------------------------- input refusals

@@ -8,6 +8,7 @@ a message naming the problem, and nothing of the coordinator's state changes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -52,14 +53,22 @@ def perturb(model, seed):
             p.sub_(0.01 * torch.randn(p.shape, generator=g))
 
 
-def test_int4_island_merges_what_it_sent_and_carries_the_residual(tiny_config_path, tmp_path):
-    with ServerThread(config(tiny_config_path, tmp_path)) as srv:
+@pytest.mark.parametrize("residual", ["float32", "bfloat16"])
+def test_int4_island_merges_what_it_sent_and_carries_the_residual(
+    tiny_config_path, tmp_path, residual
+):
+    codec = dataclasses.replace(INT4, residual=residual)
+    # A bfloat16 residual is rounded when kept: what was sent is known up to that rounding.
+    tol = 0.0 if residual == "float32" else 2.0**-8
+    with ServerThread(config(tiny_config_path, tmp_path, codec)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         torch.manual_seed(7)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
         info = client.register("isl", 2, srv.coord.plan.signature)
         # The run's setting reaches the island with the plan.
-        assert info["compression"] == {"name": "int4", "block": 64, "rounding": "nearest"}
+        assert info["compression"] == {
+            "name": "int4", "block": 64, "rounding": "nearest", "residual": residual
+        }  # fmt: skip
         plan = FragmentPlan.from_json(info["plan"])
         ranks = [
             FragmentSyncer(
@@ -94,7 +103,9 @@ def test_int4_island_merges_what_it_sent_and_carries_the_residual(tiny_config_pa
             residual1.append(res)
             for n in frag0.names:
                 sent = true1[r][n] - res[n]  # what error feedback says it sent
-                assert torch.allclose(decoded[(r, 0, 1)][n], sent, rtol=0, atol=1e-7), n
+                atol = 1e-7 + tol * float(res[n].abs().max())
+                assert torch.allclose(decoded[(r, 0, 1)][n], sent, rtol=0, atol=atol), n
+                assert res[n].dtype == getattr(torch, residual)  # served at registration
             # Quantised for real: the residual is the rounding, at most half a scale.
             assert any(res[n].abs().max() > 0 for n in frag0.names)
             fp32 = 4 * sum(t.numel() for t in true1[r].values())
@@ -120,8 +131,10 @@ def test_int4_island_merges_what_it_sent_and_carries_the_residual(tiny_config_pa
         wait_for(lambda: srv.coord.versions()[0] == 2)
         for r, s in enumerate(ranks):
             for n in frag0.names:  # error feedback: round 1's residual went out in round 2
-                sent = true2[r][n] + residual1[r][n] - s.feedback.residual((0, n))
-                assert torch.allclose(decoded[(r, 0, 3)][n], sent, rtol=0, atol=1e-6), n
+                res2 = s.feedback.residual((0, n))
+                sent = true2[r][n] + residual1[r][n] - res2
+                atol = 1e-6 + tol * float(res2.abs().max())
+                assert torch.allclose(decoded[(r, 0, 3)][n], sent, rtol=0, atol=atol), n
         for s in ranks:
             s.close()
         assert all(s.stats.failed == s.stats.refused == s.stats.dropped == 0 for s in ranks)

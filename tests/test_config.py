@@ -405,6 +405,8 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
         ({"coordinator.sync_every": 0}, r"^coordinator: sync_every must be >= 1, got 0"),
         ({"coordinator.sync_every": -8}, r"^coordinator: sync_every must be >= 1, got -8"),
         ({"coordinator.num_fragments": 0}, r"^coordinator: num_fragments must be >= 1, got 0"),
+        ({"coordinator.compression": {"name": "int4", "residual": "float16"}},
+         r"^coordinator.compression: codec residual: must be 'float32' or 'bfloat16'"),
         # An empty path is no path: taken for the working directory, a fresh run cleared
         # its state/, islands/, export/ and tensorboard/ folders.
         ({"workdir": ""}, r"^workdir: an empty path"),
@@ -450,6 +452,7 @@ def test_run_file_errors_name_the_problem(tmp_path, monkeypatch, changes, messag
         {"islands": [{"name": "A-z.0_9"}, {"name": "x" * 128}, {"name": "..."}]},
         {"model": {"pretrained": "pre"}, "data.vocab_size": 8192},  # not a config: no vocab check
         {"data.tokenizer": "tok", "data.vocab_size": 8192},  # vocab_size is the tokenizer's
+        {"coordinator.compression": {"name": "int4", "residual": "bfloat16"}},
     ],
 )  # fmt: skip
 def test_run_files_that_load(tmp_path, changes):
@@ -460,6 +463,8 @@ def test_run_files_that_load(tmp_path, changes):
     assert cfg.coordinator.model == cfg.model
     if "workdir" in changes:
         assert cfg.workdir.endswith(changes["workdir"].lstrip("./"))
+    if "coordinator.compression" in changes:
+        assert cfg.coordinator.compression.residual == "bfloat16"
 
 
 def test_run_coordinator_model_resolves_against_the_run_file(tmp_path, monkeypatch):

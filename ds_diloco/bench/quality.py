@@ -200,6 +200,8 @@ class Setup:
     """Codec of both DiLoCo runs' pseudo-gradients (the variants table tries all)."""
     block: int = 256
     """Values per quantisation scale."""
+    residual: str = "float32"
+    """How the DiLoCo runs' islands keep error-feedback residuals (float32 or bfloat16)."""
     eval_blocks: int = 64
     """Held-out blocks reported; as many more form the tuning split."""
     points: int = 5
@@ -219,6 +221,10 @@ class Setup:
         if self.compression not in CODECS:
             raise ValueError(
                 f"{flag('compression')} must be one of {CODECS}, got {self.compression!r}"
+            )
+        if self.residual not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"{flag('residual')} must be float32 or bfloat16, got {self.residual!r}"
             )
         # The outer optimizer's and the round policy's rules (OuterOptimConfig, PolicyOptions,
         # CoordinatorConfig), named by flag; ``check_runs`` builds the run configs as well.
@@ -291,6 +297,7 @@ _FLAGS = {
     "sync_momentum": "--sync-momentum",
     "seeds": "--seeds",
     "compression": "--compression",
+    "residual": "--residual",
     "grace_gamma": "--grace-gamma",
     "tau": "--tau",
     "wait_expected_steps": "--wait-expected",
@@ -384,7 +391,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             if m.stale != "drop"
             else StalenessPolicy(mode="drop")
         ),
-        compression=Codec(name=m.codec, block=s.block),
+        compression=Codec(name=m.codec, block=s.block, residual=s.residual),
         align_phase=m.align_phase,
     )
     return RunConfig(
@@ -912,7 +919,7 @@ def setup_from_args(args) -> Setup:
     for field in ("steps", "islands", "ranks_per_island", "outer_lr", "sync_outer_lr",
                   "momentum", "sync_momentum", "grace_gamma", "compression", "sync_every",
                   "num_fragments", "seeds", "workdir", "wait_expected_steps", "tau",
-                  "keep_local_steps"):  # fmt: skip
+                  "keep_local_steps", "residual"):  # fmt: skip
         value = getattr(args, field, None)
         if value is not None:
             kw[field] = value
