@@ -35,3 +35,7 @@ def test_gpu_check_cpu_fallback_runs_both_modes_and_says_so(tmp_path):
     assert plain["merges"] is None and sum(ds["merges"]) > 0, figures
     assert plain["step_s"] > 0 and ds["step_s"] > 0 and ds["tokens_per_s"] > 0
     assert plain["peak_gpu_mb"] is None  # on the CPU: host memory is reported instead
+    # The sync part's breakdown: sends and applies happened, within the sync part (rounded).
+    assert ds["send_ms"] > 0 and ds["apply_ms"] > 0
+    assert ds["send_ms"] + ds["apply_ms"] <= ds["sync_ms"] + 0.1
+    assert "sync part" in p.stdout and plain["send_ms"] == plain["apply_ms"] == 0

@@ -131,8 +131,17 @@ def figures(run: dict, warmup: int) -> dict:
         step.append(statistics.median(times[warmup:] if len(times) > warmup else times))
         tokens_s += ranks[0]["tokens"] / sum(times)
     gpu = [r.get("peak_gpu_mb") for r in run["ranks"]]
+
+    def per_step_ms(key: str) -> float:  # a rank's syncer time per step, mean over ranks
+        return 1e3 * statistics.fmean(
+            (r.get("stats") or {}).get(key, 0.0) / r["steps"] for r in run["ranks"]
+        )
+
     return {
         "step_s": max(step),
+        "sync_ms": 1e3 * statistics.fmean(r["sync_s"] / r["steps"] for r in run["ranks"]),
+        "send_ms": per_step_ms("send_s"),
+        "apply_ms": per_step_ms("apply_s") + per_step_ms("cache_s"),
         "tokens_per_s": tokens_s,
         "peak_gpu_mb": max(gpu) if all(g is not None for g in gpu) else None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in run["ranks"]),
@@ -191,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         f = out[mode]
         mem = f"peak GPU {f['peak_gpu_mb']:.0f} MB" if f["peak_gpu_mb"] is not None else ""
         merges = f", merges {sum(f['merges'])}" if f["merges"] else ""
+        if f["merges"]:  # where the training loop's extra time goes
+            merges += (
+                f"; sync part {f['sync_ms']:.1f} ms a step (sends {f['send_ms']:.1f}, "
+                f"applies {f['apply_ms']:.1f})"
+            )
         print(
             f"  {mode:9s} island step {f['step_s'] * 1e3:.1f} ms, {f['tokens_per_s']:,.0f} tokens/s "
             f"(both islands), {mem or 'no GPU'}, peak RSS {f['peak_rss_mb']:.0f} MB per rank"
