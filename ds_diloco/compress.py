@@ -55,6 +55,7 @@ Rounding = Literal["nearest", "stochastic"]
 Residual = Literal["float32", "bfloat16"]
 _RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CODECS: tuple[str, ...] = ("none", "bf16", "int8", "int4")
+RESIDUALS: tuple[str, ...] = tuple(_RESIDUAL_DTYPES)
 _QMAX = {"int8": 127, "int4": 7}
 """The largest level encode writes; a decoder may still meet -128 (int8) or -8 (int4)."""
 _SCALE_BYTES = 4  # float32 scales
@@ -92,7 +93,7 @@ class Codec:
             raise ValueError(
                 f"codec rounding: must be 'nearest' or 'stochastic', got {self.rounding!r}"
             )
-        if self.residual not in _RESIDUAL_DTYPES:
+        if self.residual not in RESIDUALS:
             raise ValueError(
                 f"codec residual: must be 'float32' or 'bfloat16', got {self.residual!r}"
             )

@@ -100,7 +100,7 @@ from pathlib import Path
 
 import torch
 
-from ds_diloco.compress import CODECS, Codec
+from ds_diloco.compress import CODECS, RESIDUALS, Codec
 from ds_diloco.config import (
     CoordinatorConfig,
     DataConfig,
@@ -222,9 +222,9 @@ class Setup:
             raise ValueError(
                 f"{flag('compression')} must be one of {CODECS}, got {self.compression!r}"
             )
-        if self.residual not in ("float32", "bfloat16"):
+        if self.residual not in RESIDUALS:
             raise ValueError(
-                f"{flag('residual')} must be float32 or bfloat16, got {self.residual!r}"
+                f"{flag('residual')} must be one of {RESIDUALS}, got {self.residual!r}"
             )
         # The outer optimizer's and the round policy's rules (OuterOptimConfig, PolicyOptions,
         # CoordinatorConfig), named by flag; ``check_runs`` builds the run configs as well.
