@@ -39,3 +39,6 @@ def test_gpu_check_cpu_fallback_runs_both_modes_and_says_so(tmp_path):
     assert ds["send_ms"] > 0 and ds["apply_ms"] > 0
     assert ds["send_ms"] + ds["apply_ms"] <= ds["sync_ms"] + 0.1
     assert "sync part" in p.stdout and plain["send_ms"] == plain["apply_ms"] == 0
+    # On the CPU the shard is host memory: applied from the base, no copy to a device.
+    assert ds["applies"][0] == 0 < ds["applies"][1] and plain["applies"] == [0, 0]
+    assert f"0 of {ds['applies'][1]} applies from a copy on the device" in p.stdout

@@ -48,15 +48,25 @@ def wait_for(cond, timeout=20.0):
 
 @pytest.fixture(params=["direct", "staged"])
 def send_path(request, monkeypatch):
-    """Both ways a send reads the local values: subtracted at the step (a shard on the CPU),
-    or copied at the step and subtracted by the upload thread (a shard on a GPU; forced here
-    on the CPU, where the copy is a plain clone and no event is waited for)."""
+    """Both ways a send reads the local values and an apply writes them: at the step, from
+    and into the base (a shard on the CPU); or staged (a shard on a GPU): a send copied at
+    the step and subtracted by the upload thread, a merged fragment copied to the shard's
+    device by the download thread and applied from that copy. Forced here on the CPU, where
+    the copies are plain ones and no event is waited for."""
     if request.param == "staged":
         monkeypatch.setattr(
             FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0
         )
+        monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
         monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)  # slices of several chunks
     return request.param
+
+
+def check_apply_path(syncers, send_path) -> None:
+    """Every apply read the device copy (staged), or none did (direct)."""
+    for s in syncers:
+        want = s.stats.applied if send_path == "staged" else 0
+        assert s.stats.applied > 0 and s.stats.prefetched == want, (send_path, s.stats)
 
 
 def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
@@ -108,6 +118,7 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
         assert all(s.stats.uploads == 2 and s.stats.failed == 0 for s in ranks)
         assert all(s.stats.network_calls_in_loop == 0 and s._staged == 0 for s in ranks)
         assert all(s.stats.send_s > 0 and s.stats.apply_s > 0 for s in ranks)
+        check_apply_path(ranks, send_path)
         # The transport threads' CPU time (counted when they end): above 0, below the wall.
         assert all(0 < s.stats.transport_cpu_s < 2 * 20.0 for s in ranks)
 
@@ -814,6 +825,7 @@ def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_
         assert all(torch.equal(p.detach(), glob[n]) for n, p in params.items())
         island = srv.coord.status()["islands"]["isl"]
         assert island["steps_merged"] == 2 + 4 + 3 + 1, island
+        check_apply_path(ranks, send_path)
     with pytest.raises(ValueError, match="keep_local_steps and alpha > 0"):
         FragmentSyncer(client, "isl", ranks[0].plan, ranks[0].schedule, ranks[0].access,
                        alpha=0.5, keep_local_steps=True)  # fmt: skip
@@ -1020,3 +1032,56 @@ def test_with_phase_alignment_a_fragment_merged_without_the_island_is_taken_befo
         assert islands["b"]["dropped"] == (0 if align_phase else 1), islands["b"]
         for s in (a, b):
             s.close()
+
+
+def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exactly(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    """At most PREFETCH_BUFFERS merged fragments wait on the shard's device for their apply
+    (forced on the CPU here); one more that comes meanwhile is applied from the host copy.
+    Either way the local values end equal to the global ones; the buffers go at close."""
+    monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)
+    cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1, num_fragments=4)
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=3)  # not the global values
+        (s,) = island_syncers(srv, client, "isl", model, 1)
+        s.bootstrap()  # fetches all 4 fragments, then applies them: 2 from the device copies
+        assert (s.stats.applied, s.stats.prefetched) == (4, 2)
+        assert s._buffers == syncer_mod.PREFETCH_BUFFERS == len(s._free_buffers) == 2
+        glob = srv.coord.global_tensors()
+        params = dict(model.named_parameters())
+        assert all(torch.equal(p.detach(), glob[n]) for n, p in params.items())
+        # A send every step (P = H = 4), its result applied the next (tau = 1): one copy
+        # waits at a time, and every apply reads it.
+        train(s, range(1, 9))
+        assert s.stats.applied == 4 + 7 and s.stats.prefetched == 2 + 7
+        wait_for(lambda: srv.coord.versions() == [2, 2, 2, 2])
+        assert s.versions() == [2, 2, 2, 1]  # the last send's result comes after step 8
+        glob = srv.coord.global_tensors()
+        for p, frag in enumerate(s.plan.fragments[:3]):  # applied at step 6 + p, then trained
+            for n in frag.names:
+                want = glob[n] - 0.01 * (2 - p)
+                assert torch.allclose(params[n].detach(), want, atol=1e-6), (p, n)
+        s.close()
+        assert s._buffers == 0 and not s._free_buffers and not s._prefetched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the staged paths on a real GPU")
+def test_a_shard_on_a_gpu_sends_and_applies_through_the_staged_copies(tiny_config_path, tmp_path):
+    """CUDA streams and events, not forced: the values sent and applied are exact."""
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=3).cuda()
+        (s,) = island_syncers(srv, client, "isl", model, 1)
+        s.bootstrap()
+        v0 = srv.coord.global_tensors()
+        train(s, range(1, 5))
+        s.close()
+        assert s.stats.prefetched == s.stats.applied > 2 and s._staged == 0
+        glob = srv.coord.global_tensors()
+        for n, p in model.named_parameters():  # the coordinator got exactly the 0.01 steps
+            assert torch.allclose(v0[n] - glob[n], torch.full_like(glob[n], 0.7 * 1.9 * 0.01),
+                                  atol=1e-6), n  # fmt: skip
+            assert torch.equal(p.detach().cpu(), glob[n]), n

@@ -142,6 +142,12 @@ def figures(run: dict, warmup: int) -> dict:
         "sync_ms": 1e3 * statistics.fmean(r["sync_s"] / r["steps"] for r in run["ranks"]),
         "send_ms": per_step_ms("send_s"),
         "apply_ms": per_step_ms("apply_s") + per_step_ms("cache_s"),
+        # Applies that read a copy the download thread had put on the GPU already (a GPU
+        # shard), against all of them.
+        "applies": [
+            sum((r.get("stats") or {}).get(k, 0) for r in run["ranks"])
+            for k in ("prefetched", "applied")
+        ],
         "tokens_per_s": tokens_s,
         "peak_gpu_mb": max(gpu) if all(g is not None for g in gpu) else None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in run["ranks"]),
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if f["merges"]:  # where the training loop's extra time goes
             merges += (
                 f"; sync part {f['sync_ms']:.1f} ms a step (sends {f['send_ms']:.1f}, "
-                f"applies {f['apply_ms']:.1f})"
+                f"applies {f['apply_ms']:.1f}; {f['applies'][0]} of {f['applies'][1]} applies "
+                "from a copy on the device)"
             )
         print(
             f"  {mode:9s} island step {f['step_s'] * 1e3:.1f} ms, {f['tokens_per_s']:,.0f} tokens/s "
