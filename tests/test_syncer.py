@@ -1068,20 +1068,37 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
         assert s._buffers == 0 and not s._free_buffers and not s._prefetched
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the staged paths on a real GPU")
-def test_a_shard_on_a_gpu_sends_and_applies_through_the_staged_copies(tiny_config_path, tmp_path):
-    """CUDA streams and events, not forced: the values sent and applied are exact."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_shard_on_a_gpu_sends_and_applies_through_the_staged_copies(
+    tiny_config_path, tmp_path, monkeypatch, device
+):
+    """On a GPU (CUDA streams and events, nothing forced), or forced on the CPU: the values
+    sent and applied through the staged copies are exact."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the staged paths on a real GPU")
+    if device == "cpu":
+        monkeypatch.setattr(
+            FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0
+        )
+        monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
-        model = model_from(tiny_config_path, seed=3).cuda()
+        model = model_from(tiny_config_path, seed=3).to(device)
         (s,) = island_syncers(srv, client, "isl", model, 1)
         s.bootstrap()
         v0 = srv.coord.global_tensors()
-        train(s, range(1, 5))
+        # Fragment 0 sent at step 2 (2 steps of -0.01), applied at 3; fragment 1 sent at 4
+        # (4 steps), applied at 5.
+        train(s, range(1, 6))
         s.close()
-        assert s.stats.prefetched == s.stats.applied > 2 and s._staged == 0
+        assert s.stats.prefetched == s.stats.applied == 2 + 2 and s._staged == 0
         glob = srv.coord.global_tensors()
-        for n, p in model.named_parameters():  # the coordinator got exactly the 0.01 steps
-            assert torch.allclose(v0[n] - glob[n], torch.full_like(glob[n], 0.7 * 1.9 * 0.01),
-                                  atol=1e-6), n  # fmt: skip
-            assert torch.equal(p.detach().cpu(), glob[n]), n
+        params = dict(model.named_parameters())
+        for p, frag in enumerate(s.plan.fragments):
+            sent = 0.01 * 2 * (p + 1)  # first outer Nesterov step: lr x (1 + momentum) x g
+            trained_since = 0.02 if p == 0 else 0.0  # steps 4 and 5 on fragment 0
+            for n in frag.names:
+                assert torch.allclose(v0[n] - glob[n], torch.full_like(glob[n], 0.7 * 1.9 * sent),
+                                      atol=1e-6), n  # fmt: skip
+                local = params[n].detach().cpu()
+                assert torch.allclose(local, glob[n] - trained_since, atol=1e-6), n
