@@ -11,6 +11,10 @@ from ds_diloco import gc_tuning
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
+INPUT_ERROR_EXIT = 2
+"""Exit status of a command stopped by a bad config or input (a ValueError, one line): the
+same again on a restart, so ``ds-diloco run`` does not restart an island that exits so."""
+
 _exit_at_once = False
 """Set by a command whose process leaves without the interpreter's teardown (``program``)."""
 
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ValueError as e:  # config and input errors: one clear line, no traceback
         print(f"ds-diloco: error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT
 
 
 def _check_outputs(args) -> None:

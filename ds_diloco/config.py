@@ -453,7 +453,8 @@ class RunConfig:
     export are pushed to, one commit each; the token is checked before the run starts."""
     max_restarts: int = 5
     """An island whose rank dies is torn down and restarted at most this many times (then
-    given up; the run goes on without it); a coordinator that dies, too (then the run stops
+    given up; the run goes on without it; one stopped by a config or input error, exit
+    status 2, is given up at once); a coordinator that dies, too (then the run stops
     with an error naming its log). Faults a chaos schedule injects on purpose into the
     coordinator do not count."""
     restart_backoff_s: float = 1.0

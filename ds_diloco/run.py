@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.syncer import Superseded
@@ -335,6 +336,10 @@ class LocalRun:
                 self.given_up.add(name)
                 self.superseded.add(name)
                 self.event("island superseded", island=name, exit=rc)
+                continue
+            if rc == INPUT_ERROR_EXIT:  # its config or input: a restart fails the same way
+                self.given_up.add(name)
+                self.event("island given up", island=name, exit=rc, why="config or input error")
                 continue
             n = self.restarts.get(name, 0)
             if n >= self.cfg.max_restarts:

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import run as run_mod
+from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import load_run_config
 from ds_diloco.export import load_global_tensors
@@ -308,22 +309,21 @@ def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
     assert sum(state["merges"]) >= 1
 
 
-def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_one(
+def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconfigured_one(
     tmp_path, tiny_config_path
 ):
-    path = write_run_file(
-        tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
-        steps=1,
-    )  # fmt: skip
+    islands = [{"name": n, "world_size": 1} for n in "abc"]
+    path = write_run_file(tmp_path, tiny_config_path, islands, steps=1)
     lr = LocalRun(load_run_config(path))
-    for name, code in (("a", Superseded.exit_code), ("b", 1)):  # launchers that exited so
+    # Launchers that exited so: superseded, a failure, a config or input error (ValueError).
+    for name, code in (("a", Superseded.exit_code), ("b", 1), ("c", INPUT_ERROR_EXIT)):
         lr.islands[name] = subprocess.Popen(["sh", "-c", f"exit {code}"], start_new_session=True)
         lr.islands[name].wait()
     lr.supervise()
     assert [(e["event"], e["island"]) for e in lr.events] == [
-        ("island superseded", "a"), ("island died", "b")]  # fmt: skip
-    assert lr.superseded == {"a"} and lr.given_up == {"a"} and lr.restarts == {"b": 1}
-    assert lr.failed_islands() == {"a": Superseded.exit_code}
+        ("island superseded", "a"), ("island died", "b"), ("island given up", "c")]  # fmt: skip
+    assert lr.superseded == {"a"} and lr.given_up == {"a", "c"} and lr.restarts == {"b": 1}
+    assert lr.failed_islands() == {"a": Superseded.exit_code, "c": INPUT_ERROR_EXIT}
     assert not lr.finished()  # b waits for its restart
 
 
