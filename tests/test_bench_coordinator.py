@@ -148,6 +148,11 @@ def test_bad_fragment_size_or_json_path_is_refused_before_anything_runs(
         assert cli.main([*argv, "--fragment-mb", value]) == 2, value
         err = capsys.readouterr().err
         assert "--fragment-mb must be a finite number > 0" in err and len(err.splitlines()) == 1
+    # Finite but more than the machine holds: refused with what it would need.
+    assert cli.main([*argv, "--fragment-mb", "1e6"]) == 2
+    err = capsys.readouterr().err
+    assert "--fragment-mb 1e+06 needs about 30273.4 GiB for the outer step with K = 8" in err
+    assert "31 fragment-sized buffers" in err and len(err.splitlines()) == 1, err
     a_file = tmp_path / "file"
     a_file.write_text("")
     for path, says in ((tmp_path / "missing" / "x.json", "does not exist"),

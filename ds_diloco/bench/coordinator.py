@@ -242,6 +242,35 @@ class OuterStepRun:
     """The merged pseudo-gradient of the last repetition."""
 
 
+def _row_capacity(k: int) -> int:
+    """Rows of the coordinator's contribution buffer for K: it starts at 2 and doubles."""
+    capacity = 2
+    while capacity < k:
+        capacity *= 2
+    return capacity
+
+
+def outer_step_bytes(fragment_bytes: int, k: int) -> int:
+    """What :func:`bench_outer_step` holds for K contributions: the row buffer, the values,
+    gradient and momentum, and the copy baseline's source and destination (K + 2 each)."""
+    return fragment_bytes * (_row_capacity(k) + 3 + 2 * (k + 2))
+
+
+def check_memory(fragment_mb: float, k: int) -> None:
+    """Refuse a fragment size whose outer-step part would not fit in the memory available
+    now (it would run the machine out of memory part-way), naming what it would need."""
+    import psutil
+
+    need = outer_step_bytes(int(fragment_mb * 2**20), k)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ValueError(
+            f"--fragment-mb {fragment_mb:g} needs about {need / 2**30:.1f} GiB for the outer "
+            f"step with K = {k} ({need // int(fragment_mb * 2**20)} fragment-sized buffers); "
+            f"{available / 2**30:.1f} GiB are available"
+        )
+
+
 def bench_outer_step(
     segments: Sequence[Segment], rda: Sequence[bool], k: int, repeats: int, seed: int = 0
 ) -> OuterStepRun:
@@ -250,10 +279,7 @@ def bench_outer_step(
         raise ValueError(f"--contributions must be >= 1, got {k}")
     f = sum(s.numel for s in segments)
     gen = torch.Generator().manual_seed(seed)
-    capacity = 2  # the coordinator's row buffer starts at 2 rows and doubles
-    while capacity < k:
-        capacity *= 2
-    rows = torch.zeros(capacity, f)
+    rows = torch.zeros(_row_capacity(k), f)
     deltas = rows[:k]
     deltas.normal_(generator=gen)
     # Pseudo-gradients of ~1e-3, of a different size per island, as islands differ.
@@ -667,6 +693,7 @@ def main(args) -> int:
     if args.contributions < 1:
         raise ValueError(f"--contributions must be >= 1, got {args.contributions}")
     config = llama_config(args.fragment_mb)
+    check_memory(args.fragment_mb, max(*DEFAULT_KS, args.contributions))
     _frag, segments, rda = whole_model_layout(model_specs(config))
     f = sum(s.numel for s in segments)
     outer = []
