@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import logging
 import math
+import secrets
 import threading
 import time
 import weakref
@@ -396,6 +397,9 @@ class Coordinator:
         # state they may have to put back: as many as merges run at once, not one per fragment.
         self._scratch: list[torch.Tensor] = []
         self.metrics = RunMetrics(cfg.uptime_window_s)
+        # This run's id, made with its state dir and kept in it (a backup put back keeps it):
+        # islands send it with their uploads (see _adopt_unknown).
+        self.run_id = ""
         if self.store.exists():
             self._load()
         else:
@@ -416,6 +420,7 @@ class Coordinator:
             values = torch.cat([tensors[p.name].reshape(-1) for p in frag.params])
             self._frags.append(self._new_fragment_state(frag, values))
         log.info("initialised %d fragments from %s", len(self._frags), self.cfg.model)
+        self.run_id = secrets.token_hex(8)
         self._reserved = self.versions()
         self.save(all_fragments=True, final=True)
 
@@ -450,6 +455,8 @@ class Coordinator:
                 "or the old model"
             )
         self.plan = plan
+        # A state dir from before run ids gets one now (saved before anything is served).
+        self.run_id = state.get("run_id") or secrets.token_hex(8)
         self._frags = []
         hwm = self.store.read_json("versions.json") or {}
         for frag in plan.fragments:
@@ -471,6 +478,8 @@ class Coordinator:
         self._xi_sync = Ema.from_dict(state["xi_sync"])
         self.metrics = RunMetrics.from_dict(state.get("metrics"), self.cfg.uptime_window_s)
         self._reserved = self.versions()
+        if not state.get("run_id"):
+            self._save_table()
         log.info("resumed from %s at versions %s", self.cfg.state_dir, self.versions())
 
     # ------------------------------------------------------------- persistence
@@ -510,6 +519,7 @@ class Coordinator:
         with self._lock:
             state = {
                 "format": STATE_FORMAT,
+                "run_id": self.run_id,
                 "plan": self.plan.to_json(),
                 "signature": self.plan.signature,
                 "islands": {k: v.to_json() for k, v in self._islands.items()},
@@ -650,7 +660,27 @@ class Coordinator:
             "schedule": dataclasses.asdict(self.send_schedule),
             "compression": dataclasses.asdict(self.cfg.compression),
             "align_phase": self.cfg.align_phase,
+            "run": self.run_id,
         }
+
+    def _adopt_unknown(self, h: wire.UploadHeader, now: float) -> _Island:
+        """An upload from an island this coordinator has no record of, sent in its own run
+        (``_lock`` held): its state is older than the island's first registration (a state
+        dir put back from a backup). Refused, the island's uploads would be lost for good
+        while it trained on; taken as registered as the upload says. The run id tells it
+        from an island that never registered here (refused: register it first)."""
+        if not valid_island_id(h.island):
+            raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {h.island!r}")
+        log.warning(
+            "island %s (registration %d, world size %d) is not in this coordinator's state "
+            "(older than its registration): taken as registered",
+            h.island, h.incarnation, h.world_size,
+        )  # fmt: skip
+        isl = _Island(island=h.island, world_size=h.world_size, last_seen=now)
+        isl.registrations = h.incarnation
+        self._islands[h.island] = isl
+        self.metrics.start(isl.joined_at)
+        return isl
 
     def _adopt_registration(self, isl: _Island, h: wire.UploadHeader, now: float) -> None:
         """An upload from a registration this coordinator has no record of (``_lock``
@@ -707,7 +737,9 @@ class Coordinator:
         now = self.clock()
         with self._lock:
             isl = self._islands.get(h.island)
-            if isl is None:
+            if isl is None and h.run == self.run_id:
+                isl = self._adopt_unknown(h, now)
+            elif isl is None:
                 raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
             if h.incarnation > isl.registrations:
                 self._adopt_registration(isl, h, now)

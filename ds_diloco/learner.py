@@ -152,6 +152,7 @@ class Learner:
             keep_local_steps=keep_local_steps,
             codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
             align_phase=bool(info.get("align_phase", False)), incarnation=incarnation,
+            run=str(info.get("run", "")),
         )  # fmt: skip
         self.syncer.bootstrap()  # every rank now holds the global model, the same versions
         self._seen_step = engine.global_steps

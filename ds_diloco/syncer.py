@@ -262,6 +262,7 @@ class FragmentSyncer:
         align_phase: bool = False,
         keep_local_steps: bool = False,
         incarnation: int = 1,
+        run: str = "",
     ):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha (blend of local into global) must be in [0, 1), got {alpha}")
@@ -270,6 +271,7 @@ class FragmentSyncer:
         self.client, self.island, self.plan, self.schedule = client, island, plan, schedule
         self.access, self.world_size, self.rank = access, world_size, rank
         self.incarnation = incarnation  # the island's registration, sent with every upload
+        self.run = run  # the run's id (the coordinator's plan), sent with every upload too
         self.alpha, self.poll_s, self.long_poll_s = alpha, poll_s, long_poll_s
         # Applying a merged fragment overwrites the local values: the tau (or more) steps
         # trained between its upload and its result are lost. keep_local_steps keeps them:
@@ -670,6 +672,7 @@ class FragmentSyncer:
             tokens=tokens,
             steps=max(slot.steps, 1),
             incarnation=self.incarnation,
+            run=self.run,
         )
         with self._lock:
             slot.in_flight = slot.holds_upload = slot.sending = True

@@ -65,6 +65,11 @@ class UploadHeader:
     """Which registration of the island sent it (``incarnation`` in the registration's
     reply): an upload from a process the island's later registration superseded is
     refused."""
+    run: str = ""
+    """The run it belongs to (``run`` in the coordinator's plan): a coordinator whose state
+    has no record of the island (its state dir put back from a backup older than the
+    registration) takes it as registered only if this is its own run. Optional: omitted
+    when empty, and then such an upload is refused as from an unknown island."""
 
 
 SUPERSEDED = "this process was superseded"
@@ -82,12 +87,19 @@ class FragmentHeader:
 
 
 def _header_to_meta(header) -> dict[str, str]:
-    return {f.name: str(getattr(header, f.name)) for f in dataclasses.fields(header)}
+    """Every field as a string; an optional text field left empty is omitted."""
+    return {
+        f.name: str(getattr(header, f.name))
+        for f in dataclasses.fields(header)
+        if not (f.default == "" and getattr(header, f.name) == "")
+    }
 
 
 def _meta_to_header(cls, meta: Mapping[str, str]):
     values = {}
     for f in dataclasses.fields(cls):
+        if f.name not in meta and f.default == "":  # optional, omitted when empty
+            continue
         if f.name not in meta:
             raise WireError(f"missing metadata field {f.name!r}")
         raw = meta[f.name]

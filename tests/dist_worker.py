@@ -215,8 +215,9 @@ def scenario_checkpoint_under_learner(spec, rank, world):
             errors.append(None)
         except LearnerError as e:
             errors.append(str(e))
+    run = learner.syncer.run  # the run's id, from the coordinator: sent with every upload
     learner.close(leave=True, flush=False)
-    return {"errors": errors}
+    return {"errors": errors, "run": run}
 
 
 SCENARIOS = {

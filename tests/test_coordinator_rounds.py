@@ -49,6 +49,7 @@ def send(
     steps=None,
     scale=1e-3,
     incarnation=1,
+    run="",
 ):
     steps = min(2, step) if steps is None else steps  # an island's first sends come early
     frag = coord.plan.fragments[fragment]
@@ -60,6 +61,7 @@ def send(
         header = wire.UploadHeader(
             island=island, rank=rank, world_size=world_size, fragment=fragment,
             base_version=base, step=step, tokens=tokens, steps=steps, incarnation=incarnation,
+            run=run,
         )  # fmt: skip
         replies.append(
             coord.upload(wire.encode_upload(header, rank_slices(frag, full, world_size, rank)))
@@ -829,6 +831,40 @@ def test_a_registration_the_state_lost_is_taken_from_the_upload_not_called_super
     with pytest.raises(CoordinatorError, match="replayed upload"):
         send(again, "a", 0, step=2, world_size=2, incarnation=2)
     assert again.status()["islands"]["a"]["merged"] == 1 and again.versions() == [1, 0]
+
+
+def test_an_island_the_state_has_no_record_of_is_taken_from_its_upload_only_in_its_run(
+    tiny_config_path, tmp_path
+):
+    # A state dir put back from a backup older than the island's first registration: its
+    # uploads were refused as from an unknown island (404) while it trained on, for good.
+    import shutil
+
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    run = coord.plan_info()["run"]
+    assert len(run) == 16 and coord.register("a", 1, coord.plan.signature)["run"] == run
+    shutil.copytree(tmp_path / "s", tmp_path / "backup")  # before b registered
+    coord.register("b", 2, coord.plan.signature)
+    del coord
+    back = make(tiny_config_path, tmp_path / "backup", Clock(), policy=policy)
+    assert back.plan_info()["run"] == run  # the run id is the state dir's: a backup keeps it
+    # Without the run id (an island from before them), or another run's: refused, unchanged.
+    for other in ("", "0123456789abcdef"):
+        with pytest.raises(CoordinatorError, match="unknown island 'b': register it first") as e:
+            send(back, "b", 0, step=2, world_size=2, run=other)
+        assert e.value.status == 404 and "b" not in back.status()["islands"]
+    reply = send(back, "b", 0, step=2, world_size=2, run=run)
+    assert reply["status"] == "accepted" and reply["complete"], reply
+    assert back.poll(0).merge and back.versions() == [1, 0]
+    island = back.status()["islands"]["b"]
+    assert (island["world_size"], island["merged"]) == (2, 1), island
+    with pytest.raises(CoordinatorError) as e:  # its registration is the upload's
+        send(back, "b", 1, step=2, world_size=2, incarnation=0, run=run)
+    assert e.value.status == 409 and wire.SUPERSEDED in str(e.value), e.value
+    # A new state dir is a new run.
+    fresh = make(tiny_config_path, tmp_path / "new", Clock(), policy=policy)
+    assert fresh.plan_info()["run"] != run
 
 
 def test_a_superseded_launch_is_told_so_whatever_its_world_size(tiny_config_path, tmp_path):

@@ -295,6 +295,40 @@ def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(tiny_con
         srv.stop()
 
 
+def test_an_island_a_coordinator_restored_from_an_older_backup_never_heard_of_syncs_again(
+    tiny_config_path, tmp_path
+):
+    # The backup was taken before the island registered: every upload was refused as from
+    # an unknown island (404) while the island trained on, never in the model again.
+    cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1)
+    backup = tmp_path / "backup"
+    srv = ServerThread(cfg)
+    try:
+        shutil.copytree(cfg.state_dir, backup)
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+        s.bootstrap()
+        train(s, range(1, 6))
+        assert srv.coord.versions() == [1, 1] == s.versions()
+        srv.stop()
+        shutil.rmtree(cfg.state_dir)
+        shutil.copytree(backup, cfg.state_dir)
+        srv = ServerThread(dataclasses.replace(cfg, port=srv.port))
+        assert srv.coord.versions() == [0, 0] and not srv.coord.status()["islands"]
+        step = 6
+        while srv.coord.status()["islands"].get("a", {}).get("merged", 0) < 4:
+            assert step < 300, (s.versions(), s.stats)
+            train(s, range(step, step + 1), wait_results=False)
+            step += 1
+            time.sleep(0.02)
+        s.close()
+        island = srv.coord.status()["islands"]["a"]
+        assert island["world_size"] == 1 and island["registrations"] == 1, island
+        assert min(srv.coord.versions()) >= 2  # both fragments merged since the restore
+    finally:
+        srv.stop()
+
+
 def test_taking_the_global_model_from_a_coordinator_that_is_gone_gives_up_saying_so(
     tiny_config_path, tmp_path
 ):
@@ -551,7 +585,8 @@ def island_syncers(srv, client, name, model, world, **kw):
     gather = ThreadGather(world)
     return [
         FragmentSyncer(client, name, plan, schedule, ModelShardAccess(model, world, r),
-                       world_size=world, rank=r, poll_s=0.01, agree=gather.agree_of(r), **kw)
+                       world_size=world, rank=r, poll_s=0.01, agree=gather.agree_of(r),
+                       **{"run": info["run"], **kw})
         for r in range(world)
     ]  # fmt: skip
 

@@ -220,7 +220,7 @@ def test_upload_header_round_trip(tmp_path):
     path = tmp_path / "upload.safetensors"
     path.write_bytes(body)
     meta, _ = read_with_safe_open(path)
-    assert meta == {k: str(v) for k, v in dataclasses.asdict(UPLOAD).items()}
+    assert meta == upload_meta()  # every field but an empty run
 
 
 def test_fragment_header_round_trip():
@@ -231,12 +231,27 @@ def test_fragment_header_round_trip():
 
 
 def upload_meta(**changes) -> dict[str, str]:
-    meta = {k: str(v) for k, v in dataclasses.asdict(UPLOAD).items()}
+    meta = {k: str(v) for k, v in dataclasses.asdict(UPLOAD).items() if v != ""}
     meta.update(changes)
     return {k: v for k, v in meta.items() if v is not None}
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(UploadHeader)])
+REQUIRED = [f.name for f in dataclasses.fields(UploadHeader) if f.default != ""]
+
+
+def test_an_upload_may_say_its_run_and_omits_it_when_it_has_none():
+    with_run = dataclasses.replace(UPLOAD, run="0123456789abcdef")
+    header, _ = wire.decode_upload(wire.encode_upload(with_run, {"w": torch.ones(1)}))
+    assert header == with_run
+    body = wire.encode_upload(UPLOAD, {"w": torch.ones(1)})
+    assert "run" not in wire.decode_upload_with_metadata(body)[2]  # not sent as an empty field
+    assert wire.decode_upload(body)[0] == UPLOAD and UPLOAD.run == ""
+    with pytest.raises(WireError, match="metadata field 'run' is empty"):
+        wire.decode_upload(wire.encode({"w": torch.ones(1)}, upload_meta(run="")))
+    assert "run" not in REQUIRED and "incarnation" in REQUIRED
+
+
+@pytest.mark.parametrize("field", REQUIRED)
 def test_upload_missing_field_is_named(field):
     body = wire.encode({"w": torch.ones(1)}, upload_meta(**{field: None}))
     with pytest.raises(WireError, match=f"missing metadata field '{field}'"):

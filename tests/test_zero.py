@@ -155,6 +155,7 @@ def island(tmp_path_factory):
             "token": "t",
             "ckpt_dir": str(out / "ckpt"),
             "ckpt_url": srv_ckpt.url,
+            "ckpt_run": srv_ckpt.coord.run_id,
             "steps": 2,
         }
         global0 = srv.coord.global_tensors()
@@ -339,8 +340,9 @@ def test_a_token_missing_on_one_rank_is_raised_on_every_rank(island):
 def test_a_checkpoint_loaded_under_the_learner_is_refused_on_every_rank(island):
     # Unnoticed, the next upload carried global - checkpoint (a pull back towards an older
     # model), and versions() named what the model no longer held.
-    for errors in (r["errors"] for r in island.both("checkpoint_under_learner")):
-        back, late = errors
+    for r in island.both("checkpoint_under_learner"):
+        assert r["run"] == island.spec["ckpt_run"] != "", r  # every rank sends the run's id
+        back, late = errors = r["errors"]
         assert back is not None and "global_steps went from 3 to 2" in back, errors
         assert late is not None and "global_steps went from 0 to 2" in late, errors
         assert "Load it first" in late, errors
