@@ -1280,7 +1280,12 @@ class FragmentSyncer:
         with self._lock:
             for slot in self.slots:  # a body left unsent is dropped: a download may write
                 slot.sending = False
-            # Training is over: the GPU buffers go (take_global applies from the host).
+            # Training is over: the GPU buffers go (take_global applies from the host), once
+            # the applies that read them have run (the training stream may not be the one
+            # the buffers were allocated on).
+            for _, last_read in self._free_buffers:
+                if last_read is not None:
+                    last_read.synchronize()
             self._prefetch_device, self._buffers = None, 0
             self._prefetched.clear()
             self._free_buffers.clear()

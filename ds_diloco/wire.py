@@ -98,7 +98,7 @@ def _header_to_meta(header) -> dict[str, str]:
 def _meta_to_header(cls, meta: Mapping[str, str]):
     values = {}
     for f in dataclasses.fields(cls):
-        if f.name not in meta and f.default == "":  # optional, omitted when empty
+        if f.default == "" and not meta.get(f.name):  # optional: omitted, or empty
             continue
         if f.name not in meta:
             raise WireError(f"missing metadata field {f.name!r}")
