@@ -9,7 +9,7 @@ Trainer). Both are imported on first use, so ``import ds_diloco`` stays light.
 """
 
 __version__ = "0.1.0"
-__all__ = ["DiLoCoCallback", "Learner", "LearnerError", "Superseded"]
+__all__ = ["DiLoCoCallback", "Diverged", "Learner", "LearnerError", "Superseded"]
 
 
 def __getattr__(name: str):
@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from ds_diloco.syncer import Superseded
 
         return Superseded
+    if name == "Diverged":  # raised by Learner.step once the island's model is not finite
+        from ds_diloco.syncer import Diverged
+
+        return Diverged
     if name == "DiLoCoCallback":
         from ds_diloco.hf_callback import DiLoCoCallback
 

@@ -33,15 +33,15 @@ def _island(args) -> int:
         from ds_diloco.config import load_island_config
         from ds_diloco.island import run_island
         from ds_diloco.learner import LearnerError
-        from ds_diloco.syncer import Superseded
+        from ds_diloco.syncer import Diverged, Superseded
 
         global _exit_at_once
         try:
             run_island(load_island_config(args.config), plain=args.plain)
             code = 0
-        except Superseded as e:  # not a failure to restart from: see Superseded.exit_code
+        except (Superseded, Diverged) as e:  # see their exit_code: restarted or not
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)
-            code = Superseded.exit_code
+            code = e.exit_code
         except LearnerError as e:  # could not join (raised on every rank): one line, not a
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)  # traceback per rank
             code = 1  # a failure: ds-diloco run restarts it (the coordinator may come back)

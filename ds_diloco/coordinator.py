@@ -934,7 +934,7 @@ class Coordinator:
             )
             raise CoordinatorError(
                 422,
-                f"slice {bad!r} from island {h.island!r} rank {h.rank} holds NaN or Inf, or "
+                f"slice {bad!r} from island {h.island!r} rank {h.rank} {wire.NOT_FINITE}, or "
                 "values whose squares overflow float32 (|x| > 1.8e19)",
             )
         return sq

@@ -28,6 +28,7 @@ from ds_diloco.data import BlockLoader, eval_blocks, heldout_split, prepare_corp
 from ds_diloco.hf_model import lm_loss
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
+from ds_diloco.syncer import Diverged
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,13 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         # The last step too: a finished run resumed with more steps goes on from its end
         # (it repeated the steps after its last periodic checkpoint).
         if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+            if not zero.model_finite(engine):  # a restart must not resume a diverged state
+                raise Diverged(
+                    f"island {cfg.island!r} rank {rank}: its model is not finite (NaN, Inf or "
+                    f"values whose squares overflow float32) at step {step}: not checkpointed "
+                    "(a restart resumes the last checkpoint, saved while it was, and takes "
+                    "the global model)"
+                )
             zero.save_checkpoint(engine, ckpt_dir, step, {"step": step, "tokens": tokens})
     wall = time.perf_counter() - t_start
     learner.close(leave=True)  # done for good: no quorum should count on this island now

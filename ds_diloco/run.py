@@ -42,7 +42,7 @@ import torch
 from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
-from ds_diloco.syncer import Superseded
+from ds_diloco.syncer import Diverged, Superseded
 
 PROGRESS_EVERY_S = 5.0
 COORDINATOR_START_S = 120.0
@@ -349,7 +349,8 @@ class LocalRun:
             self.restarts[name] = n + 1
             delay = self._backoff(n)
             self._restart_at[name] = now + delay
-            self.event("island died", island=name, exit=rc, restart_in_s=delay)
+            what = "island diverged" if rc == Diverged.exit_code else "island died"
+            self.event(what, island=name, exit=rc, restart_in_s=delay)
         self._supervise_coordinator(now)
 
     def _backoff(self, restarts: int) -> float:
@@ -744,11 +745,18 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
         tok = AutoTokenizer.from_pretrained(export_dir)
         ids = tok(cfg.prompt, return_tensors="pt").input_ids
         torch.manual_seed(0)
-        # At least 40 new tokens: the demo's merged model, seed 0, ended "ROMEO:" with an EOS
-        # at once and the sample printed was the prompt alone.
-        gen = model.generate(ids, max_new_tokens=60, min_new_tokens=40, do_sample=True, top_k=40,
-                             temperature=0.8, pad_token_id=tok.pad_token_id)  # fmt: skip
-        out["sample"] = tok.decode(gen[0], skip_special_tokens=True)
+        try:
+            # At least 40 new tokens: the demo's merged model, seed 0, ended "ROMEO:" with an
+            # EOS at once and the sample printed was the prompt alone.
+            gen = model.generate(ids, max_new_tokens=60, min_new_tokens=40, do_sample=True,
+                                 top_k=40, temperature=0.8, pad_token_id=tok.pad_token_id)  # fmt: skip
+            out["sample"] = tok.decode(gen[0], skip_special_tokens=True)
+        except RuntimeError as e:
+            # Logits that are not finite (weights blown up by a diverged island, say): the
+            # run ended with a traceback here, after its export, and wrote no summary.
+            out["sample"] = None
+            print(f"no sample from the merged model (held-out loss "
+                  f"{out['heldout_loss_merged']:.4g}): {e}", flush=True)  # fmt: skip
     return out
 
 
@@ -935,5 +943,5 @@ def _print_summary(s: dict) -> None:
         print(line)
     if "export" in s:
         print(f"merged model: {s['export']} (AutoModelForCausalLM.from_pretrained loads it)")
-    if "sample" in s:
+    if s.get("sample") is not None:
         print(f"sample: {s['sample']!r}")

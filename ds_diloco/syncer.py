@@ -112,6 +112,16 @@ class Superseded(RuntimeError):
     launch, which would then stop and be restarted in turn."""
 
 
+class Diverged(RuntimeError):
+    """The island's local model is not finite (NaN or Inf): its pseudo-gradient was refused,
+    and every later one would be. Raised on every rank at the same step."""
+
+    exit_code = 4
+    """``ds-diloco island``'s exit status when it stops for this. ``ds-diloco run`` restarts
+    it (bounded by ``max_restarts``): the restart takes the global model and the inner
+    optimizer state of its last checkpoint, which was saved only while finite."""
+
+
 class ShardAccess(Protocol):
     """Reads and writes the flat, unpadded slice of a parameter that this rank owns."""
 
@@ -321,6 +331,7 @@ class FragmentSyncer:
         self.phase = 0
         self._not_ready = ""  # why this rank could not send the fragment due at its last step
         self._superseded = ""  # the coordinator's refusal: a later launch of the island took over
+        self._diverged = ""  # why this rank's pseudo-gradient was not finite (refused)
         self._late: tuple[int, float] = (0, 0.0)  # (step of a stale upload, seconds late)
         self._shifted_at = 0  # uploads sent before this step predate the last shift
         # Fragments a shift skipped: they miss the round held meanwhile, and their next
@@ -498,14 +509,21 @@ class FragmentSyncer:
                 if followed is not None:
                     late_step, late_s = step, followed
                 phase = [late_step, round(late_s * 1e3), round(self._step_s * 1e3)]
-                gone = [1 if self._superseded else 0]
+                gone = [1 if self._superseded else 0, 1 if self._diverged else 0]
                 t0 = time.perf_counter()
                 lows, highs, rows = self._agree(held + phase + gone + flag)
                 self.stats.agree_s += time.perf_counter() - t0
-                if highs[len(held) + len(phase)]:  # every rank stops at the same step
+                at = len(held) + len(phase)
+                if highs[at]:  # every rank stops at the same step
                     raise Superseded(
                         f"island {self.island!r} rank {self.rank}: stopping at step {step}: "
                         f"{self._superseded or 'another rank was refused as superseded'}"
+                    )
+                if highs[at + 1]:
+                    raise Diverged(
+                        f"island {self.island!r} rank {self.rank}: stopping at step {step}: "
+                        "its local model is not finite (NaN or Inf): "
+                        f"{self._diverged or 'another rank pseudo-gradient was refused as such'}"
                     )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
                 t0 = time.perf_counter()
@@ -1047,6 +1065,7 @@ class FragmentSyncer:
                 ef.reset(k)
             self.stats.refused += 1
             log.warning("%s/%d upload not sent: %s", self.island, self.rank, e)
+            self._diverged = f"fragment {header.fragment} step {header.step} not sent: {e}"
             return None
         return wire.upload_parts(header, *compress.to_wire(enc))
 
@@ -1087,6 +1106,8 @@ class FragmentSyncer:
             log.warning("%s/%d upload refused: %s", self.island, self.rank, e)
             if e.status == 409 and wire.SUPERSEDED in e.message:
                 self._superseded = e.message  # the island stops at its next agreement
+            if e.status == 422 and wire.NOT_FINITE in e.message:
+                self._diverged = e.message  # so does a diverged one: every upload would be
         except Exception as e:  # coordinator unreachable: keep training, try again next time
             self.stats.failed += 1
             self._flush_lost += self._flushing

@@ -74,6 +74,9 @@ class UploadHeader:
 
 SUPERSEDED = "this process was superseded"
 """In the coordinator's refusal of an upload or leave from an earlier incarnation of its island."""
+NOT_FINITE = "holds NaN or Inf"
+"""In the coordinator's refusal of an upload whose values are not finite: the island's local
+model is (its base, the global values, is checked finite on every download)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -269,6 +269,19 @@ def island_gather(values: list[int]) -> list[list[int]]:
     return [r.tolist() for r in rows]
 
 
+def model_finite(engine) -> bool:
+    """Every rank's fp32 master partition is finite and so is each tensor's sum of squares
+    (the coordinator's test of a pseudo-gradient: no NaN or Inf, no value past 1.8e19); the
+    same answer on every rank (a collective). Checked before a checkpoint is saved, so that
+    a restart never resumes a diverged inner state. DeepSpeed skips a step whose gradients
+    are not finite, so a diverged model is more often huge than NaN."""
+    access = ZeroShardAccess(engine)
+    ok = all(
+        bool(torch.isfinite(torch.dot(t, t))) for t in map(access.read, access.params) if t.numel()
+    )
+    return min(row[0] for row in island_gather([int(ok)])) == 1
+
+
 def barrier() -> None:
     torch.distributed.barrier()
 

@@ -220,8 +220,24 @@ def scenario_checkpoint_under_learner(spec, rank, world):
     return {"errors": errors, "run": run}
 
 
+def scenario_finite(spec, rank, world):
+    """zero.model_finite: the same answer on every rank, NaN in one rank's slice or not."""
+    engine = engine_for(spec, seed=0)
+    access = zero.ZeroShardAccess(engine)
+    out = [zero.model_finite(engine)]
+    name = sorted(access.params)[-1]
+    for bad in (1e20, float("nan")):  # a square that overflows float32; NaN
+        if rank == world - 1:  # one value of the last rank's slice of one tensor
+            values = access.read(name).clone()
+            values[-1] = bad
+            access.write(name, values)
+        out.append(zero.model_finite(engine))
+    return {"finite": out}
+
+
 SCENARIOS = {
     "checkpoint_under_learner": scenario_checkpoint_under_learner,
+    "finite": scenario_finite,
     "minmax": scenario_minmax,
     "shards": scenario_shards,
     "write": scenario_write,

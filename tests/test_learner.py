@@ -142,3 +142,11 @@ def test_the_callback_sends_no_last_steps_after_the_trainer_loaded_its_best_chec
     cb.learner = Closing()
     cb.on_train_end(SimpleNamespace(load_best_model_at_end=best), None, None)
     assert cb.learner.kw["flush"] is (not best) and cb.learner.kw["leave"] is True
+
+
+def test_the_errors_a_learner_step_raises_are_public():
+    import ds_diloco
+    from ds_diloco import syncer
+
+    assert ds_diloco.Superseded is syncer.Superseded and ds_diloco.Diverged is syncer.Diverged
+    assert {"Diverged", "Superseded"} <= set(ds_diloco.__all__)

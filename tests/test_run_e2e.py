@@ -24,7 +24,7 @@ from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import load_run_config
 from ds_diloco.export import load_global_tensors
 from ds_diloco.run import LocalRun
-from ds_diloco.syncer import Superseded
+from ds_diloco.syncer import Diverged, Superseded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -312,19 +312,24 @@ def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
 def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconfigured_one(
     tmp_path, tiny_config_path
 ):
-    islands = [{"name": n, "world_size": 1} for n in "abc"]
+    islands = [{"name": n, "world_size": 1} for n in "abcd"]
     path = write_run_file(tmp_path, tiny_config_path, islands, steps=1)
     lr = LocalRun(load_run_config(path))
-    # Launchers that exited so: superseded, a failure, a config or input error (ValueError).
-    for name, code in (("a", Superseded.exit_code), ("b", 1), ("c", INPUT_ERROR_EXIT)):
+    # Launchers that exited so: superseded, a failure, a config or input error (ValueError),
+    # a diverged model (NaN or Inf: restarted, it resumes a finite checkpoint).
+    exits = (("a", Superseded.exit_code), ("b", 1), ("c", INPUT_ERROR_EXIT),
+             ("d", Diverged.exit_code))  # fmt: skip
+    for name, code in exits:
         lr.islands[name] = subprocess.Popen(["sh", "-c", f"exit {code}"], start_new_session=True)
         lr.islands[name].wait()
     lr.supervise()
     assert [(e["event"], e["island"]) for e in lr.events] == [
-        ("island superseded", "a"), ("island died", "b"), ("island given up", "c")]  # fmt: skip
-    assert lr.superseded == {"a"} and lr.given_up == {"a", "c"} and lr.restarts == {"b": 1}
+        ("island superseded", "a"), ("island died", "b"), ("island given up", "c"),
+        ("island diverged", "d")]  # fmt: skip
+    assert lr.superseded == {"a"} and lr.given_up == {"a", "c"}
+    assert lr.restarts == {"b": 1, "d": 1}
     assert lr.failed_islands() == {"a": Superseded.exit_code, "c": INPUT_ERROR_EXIT}
-    assert not lr.finished()  # b waits for its restart
+    assert not lr.finished()  # b and d wait for their restarts
 
 
 def test_a_coordinator_that_keeps_dying_is_restarted_with_backoff_then_stops_the_run(
@@ -798,3 +803,50 @@ def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_island
     proc = _run_cli(run_file)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "islands").exists()  # none was started
+
+
+def test_a_diverged_island_stops_is_restarted_and_never_checkpoints_a_non_finite_model(
+    tmp_path, tiny_config_path
+):
+    # An inner learning rate that makes the model NaN after its first step: the island used
+    # to train on to its last step with every upload refused (and checkpointed NaN).
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}],
+                              steps=6)  # fmt: skip
+    run = json.loads(run_file.read_text())
+    run["train"].update(lr=1e30, checkpoint_every=1)
+    run.update(max_restarts=1, restart_backoff_s=0.1)
+    run_file.write_text(json.dumps(run))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    log = (tmp_path / "run" / "islands" / "a" / "log.txt").read_text()
+    assert proc.returncode == 1, out[-3000:] + log[-3000:]
+    assert out.count("island diverged") == 1 and "island given up" in out, out[-3000:]
+    assert f"'exit': {Diverged.exit_code}" in out, out[-3000:]
+    said = "values whose squares overflow float32) at step 1: not checkpointed"
+    assert log.count(said) == 2, log[-3000:]  # DeepSpeed skipped the NaN steps: 1e30 weights
+    assert not (tmp_path / "run" / "islands" / "a" / "checkpoints" / "latest").exists()
+
+
+def test_a_merged_model_that_cannot_be_sampled_from_still_gets_its_summary(
+    tmp_path, tiny_config_path
+):
+    # An inner learning rate that blows the weights up (finite: DeepSpeed skips the steps
+    # whose gradients are not): the merged model's logits are not finite, and the run ended
+    # in a traceback from generate(), after its export, with no summary written.
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}],
+                              steps=4)  # fmt: skip
+    run = json.loads(run_file.read_text())
+    run["train"].update(lr=1e12)
+    run_file.write_text(json.dumps(run))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "no sample from the merged model" in proc.stdout and "sample: " not in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sample"] is None and "heldout_loss_merged" in summary, summary

@@ -25,7 +25,7 @@ from ds_diloco.fragments import FragmentPlan, Schedule
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
-from ds_diloco.syncer import FragmentSyncer, ModelShardAccess, Superseded
+from ds_diloco.syncer import Diverged, FragmentSyncer, ModelShardAccess, Superseded
 
 
 def model_from(config_path, seed):
@@ -327,6 +327,34 @@ def test_an_island_a_coordinator_restored_from_an_older_backup_never_heard_of_sy
         assert min(srv.coord.versions()) >= 2  # both fragments merged since the restore
     finally:
         srv.stop()
+
+
+def test_a_diverged_island_stops_on_every_rank_at_the_same_step(tiny_config_path, tmp_path):
+    # One rank's slice went NaN: its uploads were refused (422) at every send while the
+    # island trained on for nothing, a warning per send in its log.
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=0)
+        ranks = island_syncers(srv, client, "isl", model, world=2)
+        run_threads(*[s.bootstrap for s in ranks])
+        name = ranks[0].plan.fragments[0].names[0]
+        with torch.no_grad():  # rank 1's slice of one tensor of fragment 0
+            ranks[1].access._view(name)[-1] = float("nan")
+        for step in (1, 2):  # fragment 0 is sent at step 2
+            run_threads(*[lambda s=s, step=step: s.on_step(step, tokens=64) for s in ranks])
+        wait_for(lambda: ranks[1].stats.refused == 1)
+
+        def step3(s: FragmentSyncer) -> str:
+            with pytest.raises(Diverged) as e:
+                s.on_step(3, tokens=64)
+            return str(e.value)
+
+        said = run_threads(*[lambda s=s: step3(s) for s in ranks])  # both, at the same step
+        assert all("stopping at step 3: its local model is not finite" in m for m in said), said
+        assert wire.NOT_FINITE in said[1] and "another rank" in said[0], said
+        assert srv.coord.versions() == [0, 0]  # rank 0's half alone is never merged
+        for s in ranks:
+            s.close(timeout=2)
 
 
 def test_taking_the_global_model_from_a_coordinator_that_is_gone_gives_up_saying_so(

@@ -141,6 +141,7 @@ def island(tmp_path_factory):
                 "pretrained",
                 "no_token",
                 "checkpoint_under_learner",
+                "finite",
             ],
             "pretrained": str(pretrained),
             "model_config": str(model_config),
@@ -335,6 +336,12 @@ def test_a_token_missing_on_one_rank_is_raised_on_every_rank(island):
     with_token, without = [r["error"] for r in island.both("no_token")]
     assert without is not None and "DS_DILOCO_TOKEN" in without, without
     assert with_token is not None and "on ranks [1]" in with_token, with_token
+
+
+def test_every_rank_agrees_whether_the_island_model_is_finite(island):
+    # Checked before a checkpoint is saved: a diverged state saved there was resumed by
+    # every restart, diverging again until max_restarts.
+    assert [r["finite"] for r in island.both("finite")] == [[True, False, False]] * 2
 
 
 def test_a_checkpoint_loaded_under_the_learner_is_refused_on_every_rank(island):
