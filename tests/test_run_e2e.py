@@ -805,6 +805,14 @@ def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_island
     assert not (tmp_path / "run" / "islands").exists()  # none was started
 
 
+def run_cli(run_file: Path) -> subprocess.CompletedProcess:
+    """``ds-diloco run FILE`` to its end, offline, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
 def test_a_diverged_island_stops_is_restarted_and_never_checkpoints_a_non_finite_model(
     tmp_path, tiny_config_path
 ):
@@ -816,10 +824,7 @@ def test_a_diverged_island_stops_is_restarted_and_never_checkpoints_a_non_finite
     run["train"].update(lr=1e30, checkpoint_every=1)
     run.update(max_restarts=1, restart_backoff_s=0.1)
     run_file.write_text(json.dumps(run))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_cli(run_file)
     out = proc.stdout + proc.stderr
     log = (tmp_path / "run" / "islands" / "a" / "log.txt").read_text()
     assert proc.returncode == 1, out[-3000:] + log[-3000:]
@@ -841,10 +846,7 @@ def test_a_merged_model_that_cannot_be_sampled_from_still_gets_its_summary(
     run = json.loads(run_file.read_text())
     run["train"].update(lr=1e12)
     run_file.write_text(json.dumps(run))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_cli(run_file)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "no sample from the merged model" in proc.stdout and "sample: " not in proc.stdout
