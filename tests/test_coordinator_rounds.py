@@ -862,6 +862,13 @@ def test_an_island_the_state_has_no_record_of_is_taken_from_its_upload_only_in_i
     with pytest.raises(CoordinatorError) as e:  # its registration is the upload's
         send(back, "b", 1, step=2, world_size=2, incarnation=0, run=run)
     assert e.value.status == 409 and wire.SUPERSEDED in str(e.value), e.value
+    # A state dir from before run ids gets one on load, kept from then on.
+    state = json.loads((tmp_path / "backup" / "coordinator.json").read_text())
+    del state["run_id"]
+    (tmp_path / "backup" / "coordinator.json").write_text(json.dumps(state))
+    given = make(tiny_config_path, tmp_path / "backup", Clock(), policy=policy).run_id
+    assert given and given != run
+    assert make(tiny_config_path, tmp_path / "backup", Clock(), policy=policy).run_id == given
     # A new state dir is a new run.
     fresh = make(tiny_config_path, tmp_path / "new", Clock(), policy=policy)
     assert fresh.plan_info()["run"] != run
