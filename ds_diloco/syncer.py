@@ -523,7 +523,7 @@ class FragmentSyncer:
                     raise Diverged(
                         f"island {self.island!r} rank {self.rank}: stopping at step {step}: "
                         "its local model is not finite (NaN or Inf): "
-                        f"{self._diverged or 'another rank pseudo-gradient was refused as such'}"
+                        f"{self._diverged or 'the upload of another rank was refused so'}"
                     )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
                 t0 = time.perf_counter()
