@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import shutil
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco.config import ModelSource
+from ds_diloco.merge import sq_norm
 from ds_diloco.sharding import shard_numel
 from ds_diloco.state_store import atomic_write
 
@@ -276,9 +278,7 @@ def model_finite(engine) -> bool:
     a restart never resumes a diverged inner state. DeepSpeed skips a step whose gradients
     are not finite, so a diverged model is more often huge than NaN."""
     access = ZeroShardAccess(engine)
-    ok = all(
-        bool(torch.isfinite(torch.dot(t, t))) for t in map(access.read, access.params) if t.numel()
-    )
+    ok = all(math.isfinite(sq_norm(access.read(name))) for name in access.params)
     return min(row[0] for row in island_gather([int(ok)])) == 1
 
 
