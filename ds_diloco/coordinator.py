@@ -554,9 +554,7 @@ class Coordinator:
         with self._lock:
             isl = self._islands.get(island)
             if isl is None:
-                isl = _Island(island=island, world_size=world_size, last_seen=now)
-                self._islands[island] = isl
-                self.metrics.start(isl.joined_at)
+                isl = self._join(island, world_size, now)
                 log.info("island %s joins with world size %d", island, world_size)
             else:  # restarted (or resized): it may count its steps from an earlier checkpoint
                 log.info("island %s registers again with world size %d", island, world_size)
@@ -676,9 +674,13 @@ class Coordinator:
             "(older than its registration): taken as registered",
             h.island, h.incarnation, h.world_size,
         )  # fmt: skip
-        isl = _Island(island=h.island, world_size=h.world_size, last_seen=now)
+        isl = self._join(h.island, h.world_size, now)
         isl.registrations = h.incarnation
-        self._islands[h.island] = isl
+        return isl
+
+    def _join(self, island: str, world_size: int, now: float) -> _Island:
+        """A new island in the table, allocated from now on (``_lock`` held)."""
+        isl = self._islands[island] = _Island(island=island, world_size=world_size, last_seen=now)
         self.metrics.start(isl.joined_at)
         return isl
 
