@@ -223,6 +223,30 @@ def _copies_done(t: torch.Tensor) -> torch.cuda.Event | None:
     return ready
 
 
+class _CopyLane:
+    """One thread's way between the host and a GPU: its own CUDA stream (copies beside the
+    training kernels) and a pinned buffer of ``STAGE_CHUNK`` values, made on first use;
+    on the CPU a plain buffer and no stream. Blocking copies through the buffer free it
+    for the next chunk, and a fragment never needs a host copy of its own size."""
+
+    def __init__(self) -> None:
+        self.stream = None
+        self.chunk: torch.Tensor | None = None
+
+    def on(self, device: torch.device):
+        """The context the copies to and from ``device`` run in."""
+        if self.chunk is None:
+            cuda = device.type == "cuda"
+            self.stream = torch.cuda.Stream(device=device) if cuda else None
+            self.chunk = torch.empty(STAGE_CHUNK, pin_memory=cuda)
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+
+    def pieces(self, n: int):
+        """(start, buffer view of the piece's length) over ``n`` values, STAGE_CHUNK at a time."""
+        for a in range(0, n, STAGE_CHUNK):
+            yield a, self.chunk[: min(STAGE_CHUNK, n - a)]
+
+
 @dataclasses.dataclass
 class SyncStats:
     uploads: int = 0
@@ -305,18 +329,16 @@ class FragmentSyncer:
         self._uploads: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
         self._staged = 0  # sends staged on the GPU, not yet subtracted (_stage_on_device)
-        self._copy_stream = None  # the upload thread's CUDA stream for copies to the host
-        self._host_chunk: torch.Tensor | None = None  # and its buffer (pinned), STAGE_CHUNK
+        self._up_lane = _CopyLane()  # the upload thread's, for staged sends
         # Merged fragments copied to the GPU ahead of their apply (_prefetch): the device
         # (None: the shard is host memory, nothing to copy), by fragment the copy waiting for
         # its apply, the buffers free for the next (with an event after the apply that read
-        # it last), how many exist, and the download thread's stream and pinned buffer.
+        # it last), how many exist, and the copies' lane.
         self._prefetch_device: torch.device | None = None
         self._prefetched: dict[int, _Prefetched] = {}
         self._free_buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._buffers = 0
-        self._prefetch_stream = None
-        self._down_chunk: torch.Tensor | None = None
+        self._down_lane = _CopyLane()
         self._prefetch_lock = threading.Lock()  # the flush's refetch runs beside the downloader
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
@@ -771,15 +793,12 @@ class FragmentSyncer:
                 buffer = torch.empty(size, dtype=torch.float32, device=device)
             if last_read is not None:
                 last_read.synchronize()  # the apply that read it last has run on the GPU
-            values, offset = {}, 0
-            with self._prefetch_lock, torch.no_grad(), self._prefetch_context(device):
+            values, offset, lane = {}, 0, self._down_lane
+            with self._prefetch_lock, torch.no_grad(), lane.on(device):
                 for name, t in base.items():
                     dst = values[name] = buffer[offset : offset + t.numel()]
                     offset += t.numel()
-                    # Through the pinned buffer: a copy from pageable memory is staged by the
-                    # driver anyway, and a blocking one frees the buffer for the next chunk.
-                    for a in range(0, t.numel(), STAGE_CHUNK):
-                        chunk = self._down_chunk[: min(STAGE_CHUNK, t.numel() - a)]
+                    for a, chunk in lane.pieces(t.numel()):
                         chunk.copy_(t[a : a + chunk.numel()])
                         dst[a : a + chunk.numel()].copy_(chunk)
                 ready = _copies_done(buffer)
@@ -792,18 +811,6 @@ class FragmentSyncer:
             return
         with self._lock:
             self._prefetched[index] = _Prefetched(version, buffer, values, ready)
-
-    def _prefetch_context(self, device: torch.device):
-        """The prefetch copies' stream (the GPU: beside the training kernels), and their
-        pinned buffer; ``_prefetch_lock`` held."""
-        if device.type != "cuda":
-            if self._down_chunk is None:
-                self._down_chunk = torch.empty(STAGE_CHUNK)
-            return contextlib.nullcontext()
-        if self._prefetch_stream is None:
-            self._prefetch_stream = torch.cuda.Stream(device=device)
-            self._down_chunk = torch.empty(STAGE_CHUNK, pin_memory=True)
-        return torch.cuda.stream(self._prefetch_stream)
 
     def _drop_prefetched(self, index: int) -> None:
         """A download is about to write the base: a copy of what it held is of no use."""
@@ -923,25 +930,15 @@ class FragmentSyncer:
 
     def _unstage(self, index: int, staged: _Staged) -> dict[str, torch.Tensor]:
         """The staged send's pseudo-gradient, in place in its base (the upload thread)."""
-        slot = self.slots[index]
-        stream = contextlib.nullcontext()
+        slot, lane = self.slots[index], self._up_lane
         if staged.ready is not None:
             staged.ready.synchronize()  # the copy on the GPU is done
-            if self._copy_stream is None:  # copies to the host beside the training kernels
-                device = next(iter(staged.local.values())).device
-                self._copy_stream = torch.cuda.Stream(device=device)
-                self._host_chunk = torch.empty(STAGE_CHUNK, pin_memory=True)
-            stream = torch.cuda.stream(self._copy_stream)
-        elif self._host_chunk is None:
-            self._host_chunk = torch.empty(STAGE_CHUNK)
-        # Through one small host buffer, chunk by chunk: a copy of the whole fragment on the
-        # host would be 1/P of the shard more host memory at every send.
+        device = next(iter(staged.local.values())).device
         try:
-            with slot.lock, torch.no_grad(), stream:
+            with slot.lock, torch.no_grad(), lane.on(device):
                 for name, t in staged.local.items():
                     base = staged.base[name]
-                    for a in range(0, t.numel(), STAGE_CHUNK):
-                        chunk = self._host_chunk[: min(STAGE_CHUNK, t.numel() - a)]
+                    for a, chunk in lane.pieces(t.numel()):
                         chunk.copy_(t[a : a + chunk.numel()])
                         base[a : a + chunk.numel()].sub_(chunk)
         finally:
