@@ -54,12 +54,15 @@ def send_path(request, monkeypatch):
     device by the download thread and applied from that copy. Forced here on the CPU, where
     the copies are plain ones and no event is waited for."""
     if request.param == "staged":
-        monkeypatch.setattr(
-            FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0
-        )
-        monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
-        monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)  # slices of several chunks
+        force_staged(monkeypatch)
     return request.param
+
+
+def force_staged(monkeypatch) -> None:
+    """The GPU's staged sends and device copies of merged fragments, on the CPU."""
+    monkeypatch.setattr(FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0)
+    monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)  # slices of several chunks
 
 
 def check_apply_path(syncers, send_path) -> None:
@@ -1140,10 +1143,7 @@ def test_a_shard_on_a_gpu_sends_and_applies_through_the_staged_copies(
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("the staged paths on a real GPU")
     if device == "cpu":
-        monkeypatch.setattr(
-            FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0
-        )
-        monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
+        force_staged(monkeypatch)
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=3).to(device)
