@@ -8,14 +8,10 @@ is computed in place in the base and sent from there: no buffer of its own. The
 base then holds the upload until a download writes it again: the fragment's
 merged result, or (the upload failed, was dropped or its result was lost) the
 version it started from, fetched again before the fragment's next send. With the shard
-on a GPU, a send copies the fragment's slices there (1/P of the shard in GPU memory, at
-most one fragment at a time) and the upload thread subtracts them from the base: the
-training loop neither waits for the copy to the host nor does the subtraction (measured
-on one H200, 125M Llama: island step 1.355x plain ZeRO-3 before, 1.18x after). The other
-way, a merged fragment is copied to the GPU by the download thread once it has arrived
-(at most ``PREFETCH_BUFFERS`` fragments held there), so that its apply is a copy on the
-device instead of a copy from pageable host memory that the training loop waits for
-(8.2 ms per apply at 125M, before). Uploads
+on a GPU, the copies between it and the base run in the transport threads
+(``device_copies``: a send's slices are copied on the GPU and subtracted by the upload
+thread, at most one fragment at a time; a merged fragment is copied to the GPU by the
+download thread ahead of its apply). Uploads
 and the wait for the merged result run in a background thread: the training loop
 calls :meth:`FragmentSyncer.on_step` after each inner step and never blocks on
 the network. A merged fragment is applied at the first step boundary at or
@@ -47,6 +43,7 @@ import torch
 
 from ds_diloco import compress, wire
 from ds_diloco.client import CoordinatorClient, RefusedError
+from ds_diloco.device_copies import CopyLane, Prefetch, Staged
 from ds_diloco.fragments import Fragment, FragmentPlan, Schedule
 from ds_diloco.sharding import shard_numel, shard_range
 
@@ -62,13 +59,6 @@ IDLE_LEASE_S = 120.0
 island's lease lapses and no quorum waits for it. A ``train()`` that raised in a process
 that lives on (a notebook, a caught error) never closes the syncer; its threads kept the
 lease for ever, and with K = M no round closed. The next step renews it."""
-STAGE_CHUNK = 1 << 20
-"""Values per copy between the host and a GPU through a pinned buffer (4 MiB, reused): a
-send staged on the GPU, and a merged fragment copied there ahead of its apply."""
-PREFETCH_BUFFERS = 2
-"""Merged fragments held on the GPU ahead of their apply, each in a buffer of the largest
-fragment's slices (1/P of the shard, fp32). With tau >= 1 a result may come in while the
-previous one waits for its step; one more that comes meanwhile is applied from the host."""
 TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) after this
 GONE_RETRY_S = 10.0  # finish(): how long a coordinator found gone is tried once more
 
@@ -194,60 +184,6 @@ class _Slot:
 
 
 @dataclasses.dataclass
-class _Staged:
-    """A send whose local values were copied on their device; the upload thread subtracts
-    them from the base once ``ready`` (a CUDA event after the copies; None: done) passed."""
-
-    base: dict[str, torch.Tensor]
-    local: dict[str, torch.Tensor]
-    ready: torch.cuda.Event | None
-
-
-@dataclasses.dataclass
-class _Prefetched:
-    """A downloaded version of a fragment copied to the shard's device by the download
-    thread; its apply reads ``values`` (views of ``buffer``) once ``ready`` has passed."""
-
-    version: int
-    buffer: torch.Tensor
-    values: dict[str, torch.Tensor]
-    ready: torch.cuda.Event | None
-
-
-def _copies_done(t: torch.Tensor) -> torch.cuda.Event | None:
-    """An event after the work queued so far on ``t``'s GPU (None on the CPU: done)."""
-    if not t.is_cuda:
-        return None
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(t.device))  # the thread's stream on t's GPU
-    return ready
-
-
-class _CopyLane:
-    """One thread's way between the host and a GPU: its own CUDA stream (copies beside the
-    training kernels) and a pinned buffer of ``STAGE_CHUNK`` values, made on first use;
-    on the CPU a plain buffer and no stream. Blocking copies through the buffer free it
-    for the next chunk, and a fragment never needs a host copy of its own size."""
-
-    def __init__(self) -> None:
-        self.stream = None
-        self.chunk: torch.Tensor | None = None
-
-    def on(self, device: torch.device):
-        """The context the copies to and from ``device`` run in."""
-        if self.chunk is None:
-            cuda = device.type == "cuda"
-            self.stream = torch.cuda.Stream(device=device) if cuda else None
-            self.chunk = torch.empty(STAGE_CHUNK, pin_memory=cuda)
-        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
-
-    def pieces(self, n: int):
-        """(start, buffer view of the piece's length) over ``n`` values, STAGE_CHUNK at a time."""
-        for a in range(0, n, STAGE_CHUNK):
-            yield a, self.chunk[: min(STAGE_CHUNK, n - a)]
-
-
-@dataclasses.dataclass
 class SyncStats:
     uploads: int = 0
     dropped: int = 0
@@ -329,17 +265,9 @@ class FragmentSyncer:
         self._uploads: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
         self._staged = 0  # sends staged on the GPU, not yet subtracted (_stage_on_device)
-        self._up_lane = _CopyLane()  # the upload thread's, for staged sends
-        # Merged fragments copied to the GPU ahead of their apply (_prefetch): the device
-        # (None: the shard is host memory, nothing to copy), by fragment the copy waiting for
-        # its apply, the buffers free for the next (with an event after the apply that read
-        # it last), how many exist, and the copies' lane.
-        self._prefetch_device: torch.device | None = None
-        self._prefetched: dict[int, _Prefetched] = {}
-        self._free_buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._buffers = 0
-        self._down_lane = _CopyLane()
-        self._prefetch_lock = threading.Lock()  # the flush's refetch runs beside the downloader
+        self._up_lane = CopyLane()  # the upload thread's, for staged sends
+        # Merged fragments copied to the GPU ahead of their apply (started at bootstrap).
+        self._prefetch = Prefetch(f"{island}/{rank}")
         self._stop = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
         self._flushing = False  # every base holding an upload is fetched again (flush)
@@ -390,7 +318,8 @@ class FragmentSyncer:
     # ----------------------------------------------------------- training side
     def bootstrap(self, attempts: int = 20) -> list[int]:
         """Take the global model (:meth:`take_global`), then start the network thread."""
-        self._prefetch_device = self._shard_device()
+        largest = max((sum(t.numel() for t in s.base.values()) for s in self.slots), default=0)
+        self._prefetch.start(self._shard_device(), largest)
         versions = self.take_global(attempts)
         self._train_thread = threading.get_ident()
         self._active_t = time.monotonic()
@@ -687,8 +616,8 @@ class FragmentSyncer:
             if self._stage_on_device(local):
                 # A copy on the GPU, queued after the optimizer step: the copy to the host
                 # and the subtraction run in the upload thread, not in the training loop.
-                local = {n: t.clone() for n, t in local.items()}
-                delta = _Staged(slot.base, local, _copies_done(next(iter(local.values()))))
+                delta = Staged.of(slot.base, local)
+                local = delta.local  # the clones: keep_local_steps holds on to them
                 with self._lock:
                     self._staged += 1
             else:
@@ -730,7 +659,7 @@ class FragmentSyncer:
             self.stats.steps_overwritten += slot.steps
         blend = blend and not back
         keep = blend and slot.sent_values is not None
-        pre = self._take_prefetched(frag.index, slot.version)
+        pre = self._prefetch.take(frag.index, slot.version)
         values = slot.base if pre is None else pre.values
         for name in frag.names:
             new = values[name]
@@ -741,7 +670,8 @@ class FragmentSyncer:
                 new = self.alpha * self.access.read(name).to(new.device) + (1.0 - self.alpha) * new
             self.access.write(name, new)
         if pre is not None:
-            self._release(pre)
+            self._prefetch.release(pre)
+            self.stats.prefetched += 1
         with self._lock:
             # The counters follow the local values: with the steps since the upload kept,
             # the next upload carries them.
@@ -751,73 +681,6 @@ class FragmentSyncer:
             slot.applied, slot.sent_values, slot.sent_counts = slot.version, None, (0, 0)
             slot.sent_step, slot.in_flight = None, False
         self.stats.applied += 1
-
-    def _take_prefetched(self, index: int, version: int) -> _Prefetched | None:
-        """The copy of ``version`` of fragment ``index`` on the shard's device, if the
-        download thread made one; the training stream waits for its copies (no host wait)."""
-        with self._lock:
-            pre = self._prefetched.pop(index, None)
-            if pre is not None and pre.version != version:  # not what the base holds
-                self._free_buffers.append((pre.buffer, None))
-                pre = None
-        if pre is not None and pre.ready is not None:
-            torch.cuda.current_stream(pre.buffer.device).wait_event(pre.ready)
-        return pre
-
-    def _release(self, pre: _Prefetched) -> None:
-        """``pre``'s buffer is free again once the writes queued on it (the apply) are done."""
-        done = _copies_done(pre.buffer)
-        with self._lock:
-            self._free_buffers.append((pre.buffer, done))
-            self.stats.prefetched += 1
-
-    def _prefetch(self, index: int, base: dict[str, torch.Tensor], version: int) -> None:
-        """Copy a downloaded version of fragment ``index`` to the shard's device, so that its
-        apply is a copy there (the download thread, the slot's lock held, before the version
-        is published). Nothing when the shard is host memory, or when every buffer holds a
-        fragment still waiting for its apply (that one reads the host copy, as it would)."""
-        device = self._prefetch_device
-        if device is None:
-            return
-        with self._lock:
-            if self._free_buffers:
-                buffer, last_read = self._free_buffers.pop()
-            elif self._buffers < PREFETCH_BUFFERS:
-                buffer, last_read = None, None
-                self._buffers += 1
-            else:
-                return
-        try:
-            if buffer is None:
-                size = max(sum(t.numel() for t in slot.base.values()) for slot in self.slots)
-                buffer = torch.empty(size, dtype=torch.float32, device=device)
-            if last_read is not None:
-                last_read.synchronize()  # the apply that read it last has run on the GPU
-            values, offset, lane = {}, 0, self._down_lane
-            with self._prefetch_lock, torch.no_grad(), lane.on(device):
-                for name, t in base.items():
-                    dst = values[name] = buffer[offset : offset + t.numel()]
-                    offset += t.numel()
-                    for a, chunk in lane.pieces(t.numel()):
-                        chunk.copy_(t[a : a + chunk.numel()])
-                        dst[a : a + chunk.numel()].copy_(chunk)
-                ready = _copies_done(buffer)
-        except Exception as e:  # no room on the device, say: applies read the host copy
-            log.warning("%s/%d merged fragments are applied from host memory from now on: "
-                        "copying one to %s failed: %s", self.island, self.rank, device, e)  # fmt: skip
-            with self._lock:
-                self._prefetch_device = None
-                self._free_buffers.clear()
-            return
-        with self._lock:
-            self._prefetched[index] = _Prefetched(version, buffer, values, ready)
-
-    def _drop_prefetched(self, index: int) -> None:
-        """A download is about to write the base: a copy of what it held is of no use."""
-        with self._lock:
-            pre = self._prefetched.pop(index, None)
-            if pre is not None:
-                self._free_buffers.append((pre.buffer, None))
 
     def _flush(self) -> None:
         flush = getattr(self.access, "flush", None)
@@ -835,7 +698,7 @@ class FragmentSyncer:
             with self._lock:
                 if slot.sending:  # its base is an upload's body, not sent yet
                     return False
-            self._drop_prefetched(frag.index)
+            self._prefetch.drop(frag.index)
             info: dict = {}
             try:
                 version = (client or self.client).download_into(
@@ -865,7 +728,7 @@ class FragmentSyncer:
             else:
                 torn = problem is not None
             if version is not None and not torn:
-                self._prefetch(frag.index, slot.base, version)
+                self._prefetch.copy(frag.index, slot.base, version)
             if problem is not None:  # never applied: the base is fetched again whole
                 self._fetch_error = f"bad answer for fragment {frag.index}: {problem}"
                 self.stats.bad_responses += 1
@@ -905,7 +768,7 @@ class FragmentSyncer:
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
-            if isinstance(delta, _Staged):
+            if isinstance(delta, Staged):
                 delta = self._unstage(index, delta)
             keys = [(header.fragment, n) for n in delta]  # its error-feedback residuals
             body = self._encode(header, delta, keys)
@@ -928,23 +791,14 @@ class FragmentSyncer:
         t = next(iter(local.values()), None)
         return t is not None and t.is_cuda and self._staged == 0
 
-    def _unstage(self, index: int, staged: _Staged) -> dict[str, torch.Tensor]:
+    def _unstage(self, index: int, staged: Staged) -> dict[str, torch.Tensor]:
         """The staged send's pseudo-gradient, in place in its base (the upload thread)."""
-        slot, lane = self.slots[index], self._up_lane
-        if staged.ready is not None:
-            staged.ready.synchronize()  # the copy on the GPU is done
-        device = next(iter(staged.local.values())).device
         try:
-            with slot.lock, torch.no_grad(), lane.on(device):
-                for name, t in staged.local.items():
-                    base = staged.base[name]
-                    for a, chunk in lane.pieces(t.numel()):
-                        chunk.copy_(t[a : a + chunk.numel()])
-                        base[a : a + chunk.numel()].sub_(chunk)
+            with self.slots[index].lock:
+                return staged.subtract(self._up_lane)
         finally:
             with self._lock:
                 self._staged -= 1
-        return {name: staged.base[name] for name in staged.local}
 
     def _sent(self, slot: _Slot) -> None:
         with self._lock:
@@ -1298,12 +1152,4 @@ class FragmentSyncer:
         with self._lock:
             for slot in self.slots:  # a body left unsent is dropped: a download may write
                 slot.sending = False
-            # Training is over: the GPU buffers go (take_global applies from the host), once
-            # the applies that read them have run (the training stream may not be the one
-            # the buffers were allocated on).
-            for _, last_read in self._free_buffers:
-                if last_read is not None:
-                    last_read.synchronize()
-            self._prefetch_device, self._buffers = None, 0
-            self._prefetched.clear()
-            self._free_buffers.clear()
+        self._prefetch.close()  # training is over: take_global applies from the host

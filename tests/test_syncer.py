@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_diloco import device_copies, wire
 from ds_diloco import server as server_mod
 from ds_diloco import syncer as syncer_mod
-from ds_diloco import wire
 from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import CoordinatorConfig, ModelSource
@@ -62,7 +62,7 @@ def force_staged(monkeypatch) -> None:
     """The GPU's staged sends and device copies of merged fragments, on the CPU."""
     monkeypatch.setattr(FragmentSyncer, "_stage_on_device", lambda self, local: self._staged == 0)
     monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)  # slices of several chunks
+    monkeypatch.setattr(device_copies, "STAGE_CHUNK", 1000)  # slices of several chunks
 
 
 def check_apply_path(syncers, send_path) -> None:
@@ -1107,7 +1107,7 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
     (forced on the CPU here); one more that comes meanwhile is applied from the host copy.
     Either way the local values end equal to the global ones; the buffers go at close."""
     monkeypatch.setattr(FragmentSyncer, "_shard_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(syncer_mod, "STAGE_CHUNK", 1000)
+    monkeypatch.setattr(device_copies, "STAGE_CHUNK", 1000)
     cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1, num_fragments=4)
     with ServerThread(cfg) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
@@ -1115,7 +1115,7 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
         (s,) = island_syncers(srv, client, "isl", model, 1)
         s.bootstrap()  # fetches all 4 fragments, then applies them: 2 from the device copies
         assert (s.stats.applied, s.stats.prefetched) == (4, 2)
-        assert s._buffers == syncer_mod.PREFETCH_BUFFERS == len(s._free_buffers) == 2
+        assert s._prefetch.buffers == device_copies.PREFETCH_BUFFERS == len(s._prefetch.free) == 2
         glob = srv.coord.global_tensors()
         params = dict(model.named_parameters())
         assert all(torch.equal(p.detach(), glob[n]) for n, p in params.items())
@@ -1131,7 +1131,7 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
                 want = glob[n] - 0.01 * (2 - p)
                 assert torch.allclose(params[n].detach(), want, atol=1e-6), (p, n)
         s.close()
-        assert s._buffers == 0 and not s._free_buffers and not s._prefetched
+        assert s._prefetch.buffers == 0 and not s._prefetch.free and not s._prefetch.held
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
