@@ -37,6 +37,12 @@ import torch
 from ds_diloco import compress, wire
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
+from ds_diloco.island_table import (
+    IslandRecord,
+    islands_on_disk,
+    merged_by_after,
+    merges_on_disk,
+)
 from ds_diloco.merge import (
     fragment_layout,
     merge_fragment,
@@ -129,134 +135,7 @@ class _Contribution:
         return math.sqrt(float(self.sq_norms.sum()))
 
 
-@dataclasses.dataclass
-class _Island:
-    island: str
-    world_size: int
-    last_seen: float
-    last_step: int = 0
-    last_step_at: float | None = None
-    step_time: Ema = dataclasses.field(default_factory=Ema)
-    uploads: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
-    """(fragment, rank) -> last step received: anything not newer is a replay."""
-    merged: int = 0
-    dropped: int = 0
-    """Contributions that will never be merged: stale, replaced by a newer one of the
-    island, or still pending when it left. merged + dropped = contributions sent.
-    Durable with the table only (every ``save_every_merges`` merges, each registration,
-    shutdown): after a SIGKILL the drop counts may read lower than before it; the merge
-    counts do not (written with the fragments, ``merged_by``)."""
-    tokens_merged: int = 0
-    steps_merged: int = 0
-    """Inner steps in this island's merged contributions, summed over fragments."""
-    steps_dropped: int = 0
-    """Inner steps in its dropped contributions, summed over fragments."""
-    last_dropped: dict[int, int] = dataclasses.field(default_factory=dict)
-    """fragment -> step of the last contribution counted as dropped: each rank's part
-    of one contribution can end on its own path (stale on arrival, dropped at the
-    merge, replaced, left pending); the contribution is counted once."""
-    joined_at: float = dataclasses.field(default_factory=lambda: time.time())
-    """Wall-clock time of the first registration: from then on the island is allocated."""
-    left_at: float | None = None
-    """Wall-clock time it left for good (``leave``); None while it belongs to the run."""
-    registrations: int = 1
-    started: bool = False
-    """It said it is about to take its first step (:meth:`Coordinator.start`)."""
-
-    def count_dropped(self, fragment: int, step: int, steps: int) -> None:
-        if self.last_dropped.get(fragment) != step:
-            self.last_dropped[fragment] = step
-            self.dropped += 1
-            self.steps_dropped += steps
-
-    def to_json(self) -> dict:
-        return {
-            "world_size": self.world_size,
-            "last_step": self.last_step,
-            "merged": self.merged,
-            "dropped": self.dropped,
-            "tokens_merged": self.tokens_merged,
-            "steps_merged": self.steps_merged,
-            "steps_dropped": self.steps_dropped,
-            "joined_at": self.joined_at,
-            "left_at": self.left_at,
-            "registrations": self.registrations,
-            "uploads": [[f, r, s] for (f, r), s in sorted(self.uploads.items())],
-            "last_dropped": [[f, s] for f, s in sorted(self.last_dropped.items())],
-            "step_time": self.step_time.to_dict(),
-        }
-
-    @classmethod
-    def from_json(cls, island: str, d: dict, now: float) -> _Island:
-        isl = cls(island=island, world_size=d["world_size"], last_seen=now)
-        isl.last_step, isl.merged, isl.dropped = d["last_step"], d["merged"], d["dropped"]
-        isl.tokens_merged = d["tokens_merged"]
-        isl.steps_merged = d.get("steps_merged", 0)
-        isl.steps_dropped = d.get("steps_dropped", 0)
-        isl.joined_at = d.get("joined_at", time.time())
-        isl.left_at = d.get("left_at")
-        isl.registrations = d.get("registrations", 1)
-        isl.uploads = {(f, r): s for f, r, s in d["uploads"]}
-        # (else a contribution whose ranks were dropped on both sides of a restart counted twice)
-        isl.last_dropped = {f: s for f, s in d.get("last_dropped", [])}
-        isl.step_time = Ema.from_dict(d["step_time"])
-        return isl
-
-
-def _merged_by(old: dict[str, dict], counted) -> dict[str, dict]:
-    """A fragment's ``merged_by`` after merging the contributions ``counted``."""
-    new = dict(old)
-    for c in counted:
-        m = new.get(c.island, {"merges": 0, "tokens": 0, "steps": 0})
-        new[c.island] = {"incarnation": c.incarnation, "world_size": c.world_size,
-                         "step": c.step, "merges": m["merges"] + 1,
-                         "tokens": m["tokens"] + c.tokens, "steps": m["steps"] + c.steps}  # fmt: skip
-    return new
-
-
-def merges_on_disk(state: dict, index: int, version: int) -> int:
-    """Fragment ``index``'s merge count from a state dir: the table's, plus the merges made
-    durable (its file at ``version``) after the table's last save."""
-    merges, merges_at = state["merges"][index], state.get("merges_at")
-    return merges + (max(0, version - merges_at[index]) if merges_at is not None else 0)
-
-
-def islands_on_disk(state: dict, merged_by: list[dict], now: float) -> dict[str, _Island]:
-    """The island table of a state dir, brought up to its fragment files' ``merged_by``
-    (the coordinator's load, and an export from the state dir)."""
-    islands = {k: _Island.from_json(k, v, now) for k, v in state["islands"].items()}
-    _restore_merge_marks(islands, merged_by)
-    return islands
-
-
-def _restore_merge_marks(islands: dict[str, _Island], merged_by: list[dict]) -> None:
-    """Bring the island table (saved now and then) up to the fragment files (written with
-    every merge): a contribution merged after the table's last save is a replay if sent
-    again (it was merged twice after a crash), and counts as merged."""
-    for name, isl in islands.items():
-        marks = [(f, m[name]) for f, m in enumerate(merged_by) if name in m]
-        if not marks:
-            continue
-        for key in ("merges", "tokens", "steps"):  # per fragment, over all registrations
-            total = sum(m[key] for _, m in marks)
-            attr = {"merges": "merged", "tokens": "tokens_merged", "steps": "steps_merged"}[key]
-            setattr(isl, attr, max(getattr(isl, attr), total))
-        latest = max(m["incarnation"] for _, m in marks)
-        if latest > isl.registrations and "world_size" in marks[0][1]:
-            # Merged from a registration the table never saved (taken from an upload, the
-            # state put back from a backup: Coordinator._adopt_registration).
-            isl.registrations = latest
-            isl.world_size = next(m["world_size"] for _, m in marks if m["incarnation"] == latest)
-            isl.uploads.clear()
-        for f, m in marks:
-            if m["incarnation"] != isl.registrations:
-                continue  # registered again since: it may count its steps from a checkpoint
-            isl.last_step = max(isl.last_step, m["step"])
-            for rank in range(isl.world_size):
-                isl.uploads[(f, rank)] = max(isl.uploads.get((f, rank), -1), m["step"])
-
-
-def _check_incarnation(what: str, isl: _Island, incarnation: int) -> None:
+def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
     """Refuse an upload or leave from a process an island's later registration superseded."""
     if incarnation > isl.registrations:  # not superseded: the process must not stop
         raise CoordinatorError(
@@ -382,7 +261,7 @@ class Coordinator:
         self.clock = clock
         self.store = StateStore(cfg.state_dir)
         self._lock = threading.Lock()
-        self._islands: dict[str, _Island] = {}
+        self._islands: dict[str, IslandRecord] = {}
         self._xi_quorum = Ema()
         self._xi_sync = Ema()
         # The rounds' clock: (schedule position of the last merged round's fragment, when
@@ -661,7 +540,7 @@ class Coordinator:
             "run": self.run_id,
         }
 
-    def _adopt_unknown(self, h: wire.UploadHeader, now: float) -> _Island:
+    def _adopt_unknown(self, h: wire.UploadHeader, now: float) -> IslandRecord:
         """An upload from an island this coordinator has no record of, sent in its own run
         (``_lock`` held): its state is older than the island's first registration (a state
         dir put back from a backup). Refused, the island's uploads would be lost for good
@@ -678,13 +557,15 @@ class Coordinator:
         isl.registrations = h.incarnation
         return isl
 
-    def _join(self, island: str, world_size: int, now: float) -> _Island:
+    def _join(self, island: str, world_size: int, now: float) -> IslandRecord:
         """A new island in the table, allocated from now on (``_lock`` held)."""
-        isl = self._islands[island] = _Island(island=island, world_size=world_size, last_seen=now)
+        isl = self._islands[island] = IslandRecord(
+            island=island, world_size=world_size, last_seen=now
+        )
         self.metrics.start(isl.joined_at)
         return isl
 
-    def _adopt_registration(self, isl: _Island, h: wire.UploadHeader, now: float) -> None:
+    def _adopt_registration(self, isl: IslandRecord, h: wire.UploadHeader, now: float) -> None:
         """An upload from a registration this coordinator has no record of (``_lock``
         held): its state is older than the island's last registration (a state dir put
         back from a backup). The island is the current one, not a superseded one: taken
@@ -712,7 +593,7 @@ class Coordinator:
         if isl is not None:
             isl.count_dropped(fs.fragment.index, c.step, c.steps)
 
-    def _is_live(self, isl: _Island, now: float) -> bool:
+    def _is_live(self, isl: IslandRecord, now: float) -> bool:
         """Heard from within the lease (``island_timeout_s``) and not gone for good."""
         return isl.left_at is None and now - isl.last_seen <= self.cfg.island_timeout_s
 
@@ -1156,7 +1037,7 @@ class Coordinator:
         norms = {c.island: c.norm() for c in contribs}
         counted = [c for c in contribs if weights[c.row] > 0]
         merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
-        merged_by = _merged_by(fs.merged_by, counted)
+        merged_by = merged_by_after(fs.merged_by, counted)
         values = fs.copy_values()  # the served values stay as they are for the downloads
         before, lent = self._copy_outer_state(fs)  # the step writes the momentum in place
         fs.lock.acquire_write()

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from ds_diloco.config import TOKEN_ENV
-from ds_diloco.coordinator import islands_on_disk, merges_on_disk
 from ds_diloco.fragments import Fragment, FragmentPlan
+from ds_diloco.island_table import islands_on_disk, merges_on_disk
 from ds_diloco.model_card import RunSummary, load_run_summary, model_card
 from ds_diloco.state_store import StateStore
 
