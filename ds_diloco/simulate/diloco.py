@@ -50,6 +50,7 @@ IN, AWAY, BACK = 0, 1, 2  # slice: in its island / away for repair / repaired, n
 RUN, PAUSE, WAIT, DEAD = 0, 1, 2, 3  # island: training / re-forming / idle until the fleet's
 # next step boundary / no healthy slice left
 STEP, RESUME, START, DEADLINE = 0, 1, 2, 3  # heap events
+DRAW_BLOCK = 1 << 16  # step-time draws taken from the generator at a time
 
 
 def simulate_diloco(cfg: SimConfig, trace: Trace) -> SystemResult:
@@ -58,12 +59,21 @@ def simulate_diloco(cfg: SimConfig, trace: Trace) -> SystemResult:
     return sim.result(len(trace))
 
 
+class _Slowest(dict):
+    """slowest_chip(n) by n, computed once per group size."""
+
+    def __missing__(self, n: int) -> tuple[float, float]:
+        v = self[n] = slowest_chip(n)
+        return v
+
+
 class _Sim:
     def __init__(self, cfg: SimConfig, trace: Trace) -> None:
         self.cfg = cfg
         M, P, n = cfg.islands, cfg.num_fragments, cfg.slices
         self.M, self.P, self.S = M, P, cfg.chips_per_slice
         self.step_s = cfg.chip_step_s  # one chip's mean step at this size (read per step)
+        self.cv = cfg.step_cv
         self.stride = cfg.sync_every // P
         self.opts = cfg.policy
         self.island_of = [j * M // n for j in range(n)]  # contiguous blocks of slices
@@ -90,6 +100,7 @@ class _Sim:
         self.applyq: list[deque[tuple[int, int]]] = [deque() for _ in range(M)]
         self.pending: list[list[tuple[int, int]]] = [[] for _ in range(M)]  # (p, round id)
         self.step_ema = [Ema() for _ in range(M)]
+        self.ema_update = [e.update for e in self.step_ema]
         self.version = [0] * P
         self.r_isl: list[list[int]] = [[] for _ in range(P)]
         self.r_cov: list[list[float]] = [[] for _ in range(P)]
@@ -104,7 +115,7 @@ class _Sim:
         self.rng = np.random.default_rng([cfg.seed, 1])  # not the trace's stream
         self.draws: list[float] = []
         self.di = 0
-        self.slow: dict[int, tuple[float, float]] = {}
+        self.slow = _Slowest()
         self.n_dead = 0  # islands without a healthy slice (not live for the coordinator)
         self.covered: list[list[float]] = []  # union of completed steps' [start, end]
         self.useful = 0.0
@@ -139,17 +150,19 @@ class _Sim:
 
     # ------------------------------------------------------------- time base
     def _draw(self, m: int) -> float:
-        """Wall time of island m's next step: its slowest chip's (Gumbel limit)."""
-        n = self.live[m]
-        ls = self.slow.get(n)
-        if ls is None:
-            ls = self.slow[n] = slowest_chip(n)
+        """Wall time of island m's next step: its slowest chip's (Gumbel limit). The hot
+        loop (``_steps``) inlines this; both take the draws in one order."""
         if self.di == len(self.draws):
-            self.draws, self.di = self.rng.gumbel(size=1 << 16).tolist(), 0
-        g = self.draws[self.di]
+            self.draws, self.di = self._more_draws(), 0
+        x = self.draws[self.di]
         self.di += 1
-        cfg = self.cfg
-        return self.step_s * max(0.01, 1 + cfg.step_cv * (ls[0] + ls[1] * (g - EULER_GAMMA)))
+        l0, l1 = self.slow[self.live[m]]
+        y = 1 + self.cv * (l0 + l1 * x)
+        return self.step_s * (y if y > 0.01 else 0.01)
+
+    def _more_draws(self) -> list[float]:
+        """The next block of standard Gumbel draws, less Euler's gamma (G - gamma)."""
+        return (self.rng.gumbel(size=DRAW_BLOCK) - EULER_GAMMA).tolist()
 
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -201,44 +214,117 @@ class _Sim:
         self.r_deadline[p] = None
 
     # --------------------------------------------------------------- islands
-    def _step_end(self, m: int, t: float) -> None:
-        self.step_ema[m].update(t - self.start[m])
-        c = self.cum[m] = self.cum[m] + self.live[m] * self.step_s
-        self.spent["straggler"] += self.live[m] * (t - self.start[m] - self.step_s)
-        s = self.idx[m]
-        if self.pending[m]:  # rounds that were open when it rejoined
-            keep = []
-            for p, rid in self.pending[m]:
-                if self.r_id[p] != rid:
-                    self._refresh(m, p)
+    def _steps(self, until: float, horizon: float) -> None:
+        """Take the heap's island steps and round deadlines in order while they come no
+        later than ``until`` (the next failure or repair: ``run`` takes a heap event
+        first on a tie) and before ``horizon``; stop at a resume or a start (``run``'s).
+
+        Every inner step of every island is one pass of this loop, so the step's
+        bookkeeping is written out inline over locals: a method call or attribute
+        lookup per line would cost more than the step's own arithmetic. The sums only
+        this loop adds to (straggler, stale) are kept in locals, in the same order.
+        """
+        heap, gen, live, start, end, cum = (
+            self.heap, self.gen, self.live, self.start, self.end, self.cum
+        )  # fmt: skip
+        idx, mark, base, applyq, pending, upscale = (
+            self.idx, self.mark, self.base, self.applyq, self.pending, self.upscale
+        )  # fmt: skip
+        version, r_isl, r_cov, r_t, r_id = (
+            self.version, self.r_isl, self.r_cov, self.r_t, self.r_id
+        )  # fmt: skip
+        ema, slow, seq, cov = self.ema_update, self.slow, self.seq, self.covered
+        step_s, cv, P, stride, tau = self.step_s, self.cv, self.P, self.stride, self.cfg.overlap
+        heappop, heapreplace = heapq.heappop, heapq.heapreplace
+        draws, di = self.draws, self.di
+        straggler, stale, n_stale = (
+            self.spent["straggler"],
+            self.spent["stale"],
+            self.stats["stale"],
+        )
+        while heap:
+            t, _, kind, m, g = heap[0]
+            if t > until or t >= horizon:
+                break
+            if kind != STEP:
+                if kind != DEADLINE:
+                    break
+                heappop(heap)
+                if g == r_id[m]:  # fragment m's round is still the one that asked
+                    self.r_deadline[m] = None
+                    self._decide(m, t)
+                continue
+            if g != gen[m]:
+                heappop(heap)  # cancelled by a failure or a newer pause
+                continue
+            # Island m ends step s.
+            a = start[m]
+            ema[m](t - a)
+            n = live[m]
+            c = cum[m] = cum[m] + n * step_s
+            straggler += n * (t - a - step_s)
+            s = idx[m]
+            if pending[m]:
+                self._catch_up(m)
+            q, bm = applyq[m], base[m]
+            while q and q[0][0] <= s:  # self._apply(m, s)
+                p = q[0][1]
+                if m in r_isl[p]:
+                    break
+                q.popleft()
+                bm[p] = version[p]
+            if s % stride == 0:  # it sends fragment p
+                p = (s // stride - 1) % P
+                mk = mark[m]
+                sent = (c - mk[p]) / P
+                mk[p] = c
+                if bm[p] != version[p]:
+                    n_stale += 1
+                    stale += sent
+                elif m in r_isl[p]:  # sent again before its last send merged (after a jump)
+                    r_cov[p][r_isl[p].index(m)] += sent
                 else:
-                    keep.append((p, rid))
-            self.pending[m] = keep
-        self._apply(m, s)
-        base = self.base[m]
-        if s % self.stride == 0:
-            p = (s // self.stride - 1) % self.P
-            cov = (c - self.mark[m][p]) / self.P
-            self.mark[m][p] = c
-            if base[p] != self.version[p]:
-                self.stats["stale"] += 1
-                self.spent["stale"] += cov
-            elif m in self.r_isl[p]:  # sent again before its last send merged (after a jump)
-                self.r_cov[p][self.r_isl[p].index(m)] += cov
+                    r_isl[p].append(m)
+                    r_cov[p].append(sent)
+                    r_t[p].append(t)
+                    self._decide(p, t)
+                q.append((s + tau, p))
+            idx[m] = s + 1
+            if cov and (seg := cov[-1])[0] <= a <= seg[1]:
+                seg[1] = t  # self._cover(a, t), when it extends the newest segment
             else:
-                self.r_isl[p].append(m)
-                self.r_cov[p].append(cov)
-                self.r_t[p].append(t)
-                self._decide(p, t)
-            self.applyq[m].append((s + self.cfg.overlap, p))
-        self.idx[m] = s + 1
-        self._cover(self.start[m], t)
-        if self.upscale[m]:
-            self.stats["upscales"] += 1
-            self._tick(m, t)
-            self._pause(m, t, self.cfg.upscale_s)
-        else:
-            self._schedule_step(m, t)
+                self._cover(a, t)
+            if upscale[m]:
+                heappop(heap)
+                self.stats["upscales"] += 1
+                self._tick(m, t)
+                self._pause(m, t, self.cfg.upscale_s)
+                continue
+            # self._schedule_step(m, t), replacing the event just taken
+            start[m] = t
+            if di == len(draws):
+                draws, di = self._more_draws(), 0
+            l0, l1 = slow[n]
+            y = 1 + cv * (l0 + l1 * draws[di])
+            di += 1
+            e = end[m] = t + step_s * (y if y > 0.01 else 0.01)
+            heapreplace(heap, (e, next(seq), STEP, m, g))
+        self.draws, self.di = draws, di
+        self.spent["straggler"], self.spent["stale"], self.stats["stale"] = (
+            straggler,
+            stale,
+            n_stale,
+        )
+
+    def _catch_up(self, m: int) -> None:
+        """Take the rounds that were open when island m rejoined and have merged since."""
+        keep = []
+        for p, rid in self.pending[m]:
+            if self.r_id[p] != rid:
+                self._refresh(m, p)
+            else:
+                keep.append((p, rid))
+        self.pending[m] = keep
 
     def _apply(self, m: int, s: int) -> None:
         """Overwrite the fragments sent tau steps before step s with their merged values."""
@@ -359,23 +445,18 @@ class _Sim:
     def run(self, trace: Trace) -> None:
         times, slices = trace.times.tolist(), trace.slices.tolist()
         i, nf, horizon, heap, inf = 0, len(times), self.cfg.duration_s, self.heap, math.inf
-        returns, gen, r_id = self.returns, self.gen, self.r_id
+        returns, gen = self.returns, self.gen
         while True:
-            th = heap[0][0] if heap else inf
             tf = times[i] if i < nf else inf
             tr = returns[0][0] if returns else inf
+            self._steps(min(tf, tr), horizon)  # steps and deadlines up to the next of these
+            th = heap[0][0] if heap else inf
             if th <= tf and th <= tr:
                 if th >= horizon:
                     break
-                t, _, kind, a, b = heapq.heappop(heap)
-                if kind == DEADLINE:
-                    if b == r_id[a]:
-                        self.r_deadline[a] = None
-                        self._decide(a, t)
-                elif b != gen[a]:
+                t, _, kind, a, b = heapq.heappop(heap)  # a resume or a start
+                if b != gen[a]:
                     continue  # cancelled by a failure or a newer pause
-                elif kind == STEP:
-                    self._step_end(a, t)
                 elif kind == RESUME:
                     self._resume(a, t)
                 else:
