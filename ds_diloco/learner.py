@@ -27,6 +27,7 @@ engine restored from a checkpoint continues the fragment schedule where it was.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -145,10 +146,12 @@ class Learner:
         reply = self._all(register if self.rank == 0 else lambda: None)  # one per island
         # Rank 0's registration number, on every rank: each rank's uploads carry it.
         (incarnation,), *_ = zero.island_gather([reply["incarnation"] if reply else 0])
+        self._agree_group = zero.agreement_group()  # the per-step agreement: off the GPU
+        agree = functools.partial(zero.island_gather, group=self._agree_group)
         self.syncer = FragmentSyncer(
             self.client, island, FragmentPlan.from_json(info["plan"]),
             Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
-            world_size=self.world_size, rank=self.rank, alpha=alpha, agree=zero.island_gather,
+            world_size=self.world_size, rank=self.rank, alpha=alpha, agree=agree,
             keep_local_steps=keep_local_steps,
             codec=Codec(**info.get("compression", {})),  # the run's setting, from the coordinator
             align_phase=bool(info.get("align_phase", False)), incarnation=incarnation,
@@ -325,6 +328,8 @@ class Learner:
         except RuntimeError as e:  # raised on every rank together; the local model is intact
             raise LearnerError(f"island {self.island!r}: {e}") from e
         self._exit_state["closed"] = True  # on the normal path: every rank got here
+        zero.destroy_group(self._agree_group)  # done with it on every rank (not left to exit)
+        self._agree_group = None
         return versions
 
     def __enter__(self) -> Learner:

@@ -5,7 +5,8 @@
 - :class:`ZeroShardAccess`: a rank reads and writes the flat slice of each
   parameter it owns, in the fp32 master partition, without any gather.
 - :func:`island_gather`: the intra-island collective with which the ranks
-  agree on which merged fragments every one of them holds (and count tokens).
+  agree on which merged fragments every one of them holds (and count tokens), on
+  gloo even in an NCCL island (:func:`agreement_group`).
 - :func:`gather_full_params`: whole tensors, for checks and small exports.
 - :func:`shutdown`, :func:`teardown_gloo`: the process group torn down before exit.
 
@@ -258,17 +259,53 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
     return int(client_state["step"]), int(client_state["tokens"])
 
 
-def island_gather(values: list[int]) -> list[list[int]]:
-    """Every rank's ``values``, by rank (one small all-gather within the island).
+AGREEMENT_ENV = "DS_DILOCO_GLOO_AGREEMENT"
+"""Set to 0 to keep an NCCL island's agreement on NCCL (see :func:`agreement_group`)."""
+
+
+def agreement_group():
+    """The process group of the syncer's agreement, run on every inner step: None (the
+    default group) when the island is on gloo or has one rank (then no collective at all,
+    see :func:`island_gather`); on NCCL a gloo group of the same ranks, made now (every
+    rank calls this at the same point).
+
+    NCCL gathers GPU tensors only: the agreement's few integers would be copied to the
+    GPU and read back with ``tolist``, which waits for everything queued on it, on every
+    inner step, so the training loop could never run ahead of the GPU. Over gloo they
+    go between the ranks' CPUs beside the GPU's work. Gloo finds its network interface
+    from the host name; where that is the wrong one, set ``GLOO_SOCKET_IFNAME`` (or
+    ``DS_DILOCO_GLOO_AGREEMENT=0`` to stay on NCCL)."""
+    dist = torch.distributed
+    if dist.get_world_size() == 1 or dist.get_backend() == "gloo":
+        return None
+    if os.environ.get(AGREEMENT_ENV, "1") == "0":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def island_gather(values: list[int], group=None) -> list[list[int]]:
+    """Every rank's ``values``, by rank (one small all-gather within the island; on
+    ``group``, default: the island's process group). A rank alone gets its own.
 
     The syncer's agreement: from the rows each rank takes the minimum and maximum
     version held and the island's sum of token counts, the same on every rank.
     """
-    nccl = torch.distributed.get_backend() == "nccl"  # NCCL gathers GPU tensors only
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return [list(values)]
+    nccl = torch.distributed.get_backend(group) == "nccl"  # NCCL gathers GPU tensors only
     t = torch.tensor(values, dtype=torch.int64, device="cuda" if nccl else "cpu")
-    rows = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(rows, t)
+    rows = [torch.empty_like(t) for _ in range(world)]
+    torch.distributed.all_gather(rows, t, group=group)
     return [r.tolist() for r in rows]
+
+
+def destroy_group(group) -> None:
+    """Tear down a group of :func:`agreement_group` (None: nothing) once every rank is done
+    with it: left to interpreter exit, a gloo group's threads can abort the process (see
+    :func:`teardown_gloo`)."""
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(group)
 
 
 def model_finite(engine) -> bool:

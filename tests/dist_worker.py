@@ -67,7 +67,14 @@ def reads(access) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ scenarios
 def scenario_minmax(spec, rank, world):
-    return {"rows": zero.island_gather(spec["minmax"][rank])}
+    """The agreement's gather, on the island's group and on a gloo group of its own (what
+    an NCCL island agrees on: made here on gloo), torn down after."""
+    default = zero.agreement_group()  # None on gloo: the island's own group
+    group = torch.distributed.new_group(backend="gloo")
+    rows_group = zero.island_gather(list(reversed(spec["minmax"][rank])), group=group)
+    zero.destroy_group(group)
+    return {"rows": zero.island_gather(spec["minmax"][rank]), "rows_group": rows_group,
+            "default": default}  # fmt: skip
 
 
 def scenario_shards(spec, rank, world):

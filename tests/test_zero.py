@@ -180,6 +180,16 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_island_gather_gives_every_rank_all_rows_in_rank_order(island):
     for r, res in enumerate(island.both("minmax")):
         assert res["rows"] == MINMAX, f"rank {r}"
+        assert res["rows_group"] == [list(reversed(row)) for row in MINMAX], f"rank {r}"
+        assert res["default"] is None  # a gloo island agrees on its own group
+
+
+def test_a_rank_alone_agrees_without_a_collective(monkeypatch):
+    """An island of one rank: no all-gather (on NCCL it would wait for the GPU's queue)."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "all_gather", None)  # called: a TypeError
+    assert zero.island_gather([3, 4]) == [[3, 4]]
+    assert zero.agreement_group() is None
 
 
 def test_read_is_the_ranks_zero3_slice_and_gives_the_shard_pseudo_gradient(island):
