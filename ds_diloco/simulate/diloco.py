@@ -33,6 +33,7 @@ window ends; only an island left without a healthy slice stops being live.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -49,22 +50,16 @@ from ds_diloco.simulate.trace import EULER_GAMMA, Trace, slowest_chip
 IN, AWAY, BACK = 0, 1, 2  # slice: in its island / away for repair / repaired, not yet rejoined
 RUN, PAUSE, WAIT, DEAD = 0, 1, 2, 3  # island: training / re-forming / idle until the fleet's
 # next step boundary / no healthy slice left
-STEP, RESUME, START, DEADLINE = 0, 1, 2, 3  # heap events
+RESUME, START, DEADLINE = 1, 2, 3  # events in _Sim.heap (step ends are in _Sim.steps)
 DRAW_BLOCK = 1 << 16  # step-time draws taken from the generator at a time
+_NO_EVENT = (math.inf, math.inf, -1, -1)  # after every event: an empty queue
+_NO_SEGMENT = (math.inf, -math.inf)  # holds no time: no step has completed yet
 
 
 def simulate_diloco(cfg: SimConfig, trace: Trace) -> SystemResult:
     sim = _Sim(cfg, trace)
     sim.run(trace)
     return sim.result(len(trace))
-
-
-class _Slowest(dict):
-    """slowest_chip(n) by n, computed once per group size."""
-
-    def __missing__(self, n: int) -> tuple[float, float]:
-        v = self[n] = slowest_chip(n)
-        return v
 
 
 class _Sim:
@@ -101,6 +96,7 @@ class _Sim:
         self.pending: list[list[tuple[int, int]]] = [[] for _ in range(M)]  # (p, round id)
         self.step_ema = [Ema() for _ in range(M)]
         self.ema_update = [e.update for e in self.step_ema]
+        self.ema_val = [math.inf] * M  # their values (inf: none yet), for xi_step
         self.version = [0] * P
         self.r_isl: list[list[int]] = [[] for _ in range(P)]
         self.r_cov: list[list[float]] = [[] for _ in range(P)]
@@ -110,12 +106,15 @@ class _Sim:
         self.xi_quorum, self.xi_sync = Ema(), Ema()
         self._xi_step: float | None = None
         self._xi_at = -math.inf
-        self.heap: list[tuple[float, int, int, int, int]] = []
+        # Events by (time, push order): each island's step end, and the rest in a heap.
+        # Steps end nearly in the order they start, so a sorted deque takes them cheaply.
+        self.steps: deque[tuple[float, int, int, int]] = deque()  # (t, seq, island, gen)
+        self.heap: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, a, b)
         self.seq = itertools.count()
         self.rng = np.random.default_rng([cfg.seed, 1])  # not the trace's stream
         self.draws: list[float] = []
         self.di = 0
-        self.slow = _Slowest()
+        self.ls = [slowest_chip(n) for n in self.live]  # each island's slowest chip
         self.n_dead = 0  # islands without a healthy slice (not live for the coordinator)
         self.covered: list[list[float]] = []  # union of completed steps' [start, end]
         self.useful = 0.0
@@ -147,6 +146,7 @@ class _Sim:
     def _set_live(self, m: int, chips: int) -> None:
         self.sum_live += chips - self.live[m]
         self.live[m] = chips
+        self.ls[m] = slowest_chip(chips)
 
     # ------------------------------------------------------------- time base
     def _draw(self, m: int) -> float:
@@ -156,7 +156,7 @@ class _Sim:
             self.draws, self.di = self._more_draws(), 0
         x = self.draws[self.di]
         self.di += 1
-        l0, l1 = self.slow[self.live[m]]
+        l0, l1 = self.ls[m]
         y = 1 + self.cv * (l0 + l1 * x)
         return self.step_s * (y if y > 0.01 else 0.01)
 
@@ -170,14 +170,14 @@ class _Sim:
     def _schedule_step(self, m: int, t: float) -> None:
         self.start[m] = t
         e = self.end[m] = t + self._draw(m)
-        self._push(e, STEP, m, self.gen[m])
+        bisect.insort(self.steps, (e, next(self.seq), m, self.gen[m]))
 
     def _xi_step_at(self, now: float) -> float | None:
         # The coordinator's xi_step: the fastest island's step-time EMA. Refreshed once a
         # step of simulated time, not per call: it moves slowly and M can be large.
         if now - self._xi_at >= self.step_s:
-            vals = [e.value for e in self.step_ema if e.value is not None]
-            self._xi_step, self._xi_at = (min(vals) if vals else None), now
+            xi = min(self.ema_val)
+            self._xi_step, self._xi_at = (xi if xi < math.inf else None), now
         return self._xi_step
 
     # ---------------------------------------------------------------- rounds
@@ -215,8 +215,8 @@ class _Sim:
 
     # --------------------------------------------------------------- islands
     def _steps(self, until: float, horizon: float) -> None:
-        """Take the heap's island steps and round deadlines in order while they come no
-        later than ``until`` (the next failure or repair: ``run`` takes a heap event
+        """Take island steps and round deadlines in (time, push) order while they come no
+        later than ``until`` (the next failure or repair: ``run`` takes a queued event
         first on a tie) and before ``horizon``; stop at a resume or a start (``run``'s).
 
         Every inner step of every island is one pass of this loop, so the step's
@@ -224,8 +224,8 @@ class _Sim:
         lookup per line would cost more than the step's own arithmetic. The sums only
         this loop adds to (straggler, stale) are kept in locals, in the same order.
         """
-        heap, gen, live, start, end, cum = (
-            self.heap, self.gen, self.live, self.start, self.end, self.cum
+        steps, heap, gen, live, ls, start, end, cum = (
+            self.steps, self.heap, self.gen, self.live, self.ls, self.start, self.end, self.cum
         )  # fmt: skip
         idx, mark, base, applyq, pending, upscale = (
             self.idx, self.mark, self.base, self.applyq, self.pending, self.upscale
@@ -233,33 +233,39 @@ class _Sim:
         version, r_isl, r_cov, r_t, r_id = (
             self.version, self.r_isl, self.r_cov, self.r_t, self.r_id
         )  # fmt: skip
-        ema, slow, seq, cov = self.ema_update, self.slow, self.seq, self.covered
+        ema, ema_val, seq, cov = self.ema_update, self.ema_val, self.seq, self.covered
         step_s, cv, P, stride, tau = self.step_s, self.cv, self.P, self.stride, self.cfg.overlap
-        heappop, heapreplace = heapq.heappop, heapq.heapreplace
+        popleft, insort = steps.popleft, bisect.insort
         draws, di = self.draws, self.di
         straggler, stale, n_stale = (
             self.spent["straggler"],
             self.spent["stale"],
             self.stats["stale"],
         )
-        while heap:
-            t, _, kind, m, g = heap[0]
-            if t > until or t >= horizon:
-                break
-            if kind != STEP:
-                if kind != DEADLINE:
+        last = until if until < horizon else math.nextafter(horizon, -math.inf)
+        seg = cov[-1] if cov else _NO_SEGMENT
+        queued = heap[0] if heap else _NO_EVENT  # the heap's next event, kept up to date
+        while True:
+            ev = steps[0] if steps else _NO_EVENT
+            if queued < ev:  # a deadline, resume or start comes first
+                t, _, kind, p, rid = queued
+                if t > last or kind != DEADLINE:
                     break
-                heappop(heap)
-                if g == r_id[m]:  # fragment m's round is still the one that asked
-                    self.r_deadline[m] = None
-                    self._decide(m, t)
+                heapq.heappop(heap)
+                if rid == r_id[p]:  # fragment p's round is still the one that asked
+                    self.r_deadline[p] = None
+                    self._decide(p, t)
+                queued = heap[0] if heap else _NO_EVENT
                 continue
+            t, _, m, g = ev
+            if t > last:  # t > until or t >= horizon
+                break
+            popleft()
             if g != gen[m]:
-                heappop(heap)  # cancelled by a failure or a newer pause
-                continue
+                continue  # cancelled by a failure or a newer pause
             # Island m ends step s.
             a = start[m]
-            ema[m](t - a)
+            ema_val[m] = ema[m](t - a)
             n = live[m]
             c = cum[m] = cum[m] + n * step_s
             straggler += n * (t - a - step_s)
@@ -288,27 +294,32 @@ class _Sim:
                     r_cov[p].append(sent)
                     r_t[p].append(t)
                     self._decide(p, t)
+                    queued = heap[0] if heap else _NO_EVENT
                 q.append((s + tau, p))
             idx[m] = s + 1
-            if cov and (seg := cov[-1])[0] <= a <= seg[1]:
+            if seg[0] <= a <= seg[1]:
                 seg[1] = t  # self._cover(a, t), when it extends the newest segment
             else:
                 self._cover(a, t)
+                seg = cov[-1]
             if upscale[m]:
-                heappop(heap)
                 self.stats["upscales"] += 1
                 self._tick(m, t)
                 self._pause(m, t, self.cfg.upscale_s)
+                queued = heap[0]
                 continue
-            # self._schedule_step(m, t), replacing the event just taken
+            # self._schedule_step(m, t)
             start[m] = t
             if di == len(draws):
                 draws, di = self._more_draws(), 0
-            l0, l1 = slow[n]
+            l0, l1 = ls[m]
             y = 1 + cv * (l0 + l1 * draws[di])
             di += 1
             e = end[m] = t + step_s * (y if y > 0.01 else 0.01)
-            heapreplace(heap, (e, next(seq), STEP, m, g))
+            if not steps or e >= steps[-1][0]:
+                steps.append((e, next(seq), m, g))  # the usual case: it ends last
+            else:
+                insort(steps, (e, next(seq), m, g))
         self.draws, self.di = draws, di
         self.spent["straggler"], self.spent["stale"], self.stats["stale"] = (
             straggler,
