@@ -104,6 +104,8 @@ class _Sim:
         self.r_id = [0] * P
         self.r_deadline: list[float | None] = [None] * P
         self.xi_quorum, self.xi_sync = Ema(), Ema()
+        self.xi_quorum_value: float | None = None  # their values, read at every decision
+        self.xi_sync_value: float | None = None
         self._xi_step: float | None = None
         self._xi_at = -math.inf
         # Events by (time, push order): each island's step end, and the rest in a heap.
@@ -172,27 +174,24 @@ class _Sim:
         e = self.end[m] = t + self._draw(m)
         bisect.insort(self.steps, (e, next(self.seq), m, self.gen[m]))
 
-    def _xi_step_at(self, now: float) -> float | None:
-        # The coordinator's xi_step: the fastest island's step-time EMA. Refreshed once a
-        # step of simulated time, not per call: it moves slowly and M can be large.
-        if now - self._xi_at >= self.step_s:
-            xi = min(self.ema_val)
-            self._xi_step, self._xi_at = (xi if xi < math.inf else None), now
-        return self._xi_step
-
     # ---------------------------------------------------------------- rounds
     def _decide(self, p: int, now: float) -> None:
         times = self.r_t[p]
-        c, live = len(times), self.M - self.n_dead
-        q = max(1, min(self.opts.min_quorum, live))
+        c, live, k = len(times), self.M - self.n_dead, self.opts.min_quorum
+        q = k if k < live else (live or 1)  # max(1, min(k, live)), as the policy caps it
+        if now - self._xi_at >= self.step_s:
+            # The coordinator's xi_step: the fastest island's step-time EMA. Refreshed
+            # once a step of simulated time, not per call: it moves slowly.
+            xi = min(self.ema_val)
+            self._xi_step, self._xi_at = (xi if xi < math.inf else None), now
         state = RoundState(
             live_islands=live,
             contributors=c,
             first_arrival=times[0] if c else None,
             quorum_at=times[q - 1] if c >= q else None,
-            xi_step=self._xi_step_at(now),
-            xi_quorum=self.xi_quorum.value,
-            xi_sync=self.xi_sync.value,
+            xi_step=self._xi_step,
+            xi_quorum=self.xi_quorum_value,
+            xi_sync=self.xi_sync_value,
         )
         d = round_policy.decide(now, state, self.opts)
         if d.merge:
@@ -206,9 +205,9 @@ class _Sim:
         self.stats["merges"] += 1
         self.stats["contributions"] += len(self.r_cov[p])
         self.version[p] += 1
-        self.xi_sync.update(self.cfg.merge_s)
+        self.xi_sync_value = self.xi_sync.update(self.cfg.merge_s)
         if state.quorum_at is not None and state.first_arrival is not None:
-            self.xi_quorum.update(state.quorum_at - state.first_arrival)
+            self.xi_quorum_value = self.xi_quorum.update(state.quorum_at - state.first_arrival)
         self.r_isl[p], self.r_cov[p], self.r_t[p] = [], [], []
         self.r_id[p] += 1
         self.r_deadline[p] = None
