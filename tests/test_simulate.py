@@ -121,6 +121,23 @@ def test_fixed_seed_reproduces_the_trace_and_the_results():
     assert simulate(cfg).to_dict()["rows"] == simulate(cfg).to_dict()["rows"]
 
 
+def test_diloco_step_times_do_not_depend_on_the_draw_block(monkeypatch):
+    # Step times are drawn in blocks, taken one at a time in event order by the hot loop
+    # (inline) and by rejoins (_draw): blocks of 7 cross a block at every few steps, and
+    # a draw skipped or taken twice there would change the run.
+    from ds_diloco.simulate import diloco
+
+    cfg = SimConfig(
+        chips=20_000, chips_per_slice=64, islands=4, days=0.05, chip_mtbi_s=3e5,
+        systems=("diloco",),
+    )  # fmt: skip
+    trace = failure_trace(cfg)
+    ref = diloco.simulate_diloco(cfg, trace)
+    assert ref.stats["rejoins"] > 10
+    monkeypatch.setattr(diloco, "DRAW_BLOCK", 7)
+    assert diloco.simulate_diloco(cfg, trace) == ref
+
+
 def test_failure_trace_is_cluster_wide_poisson():
     cfg = SimConfig(chips=1_200_000, days=1.0)
     trace = failure_trace(cfg)

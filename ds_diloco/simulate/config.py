@@ -41,13 +41,12 @@ the table asks for. The same descent on eight weeks found ``fixed_batch_chips=15
 step_s=5.36, step_cv=0.0065, detect_s=15, downscale_s=upscale_s=1, repair_s=3600,
 restart_s=54, checkpoint_s=0``: every cell of the mean within 2.8 points (data-parallel
 -1.4, -0.3, +2.8, -0.7, -2.8; elastic -1.6, +0.5, +1.7, -0.9, +1.2; single weeks up to
-3.5 off), and 2.9-3.0 on 56-day runs. It is not the default, for two reasons: the
-margin is a tenth of a point, and the paper does not say which batch its simulation
-keeps fixed; and Decoupled DiLoCo, simulated step by step, gets 16x the steps at
-2.4M chips (0.33 s each): 18 s per simulated day at 1.2M chips and M = 8, 31 s at
-2.4M and M = 16 (about 3.5 minutes a week), against the one minute asked of the
-simulator; and with steps that short the default ``merge_s`` is over tau steps
-(below). With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts
+3.5 off), and 2.9-3.0 on 56-day runs. It is not the default: the margin is a tenth
+of a point, and the paper does not say which batch its simulation keeps fixed; and
+with steps that short the default ``merge_s`` is over tau steps (below). Decoupled
+DiLoCo, simulated step by step, gets 16x the steps at 2.4M chips (0.33 s each): about
+5 s per simulated day at 1.2M chips and M = 8, 6 s at 2.4M and M = 16 (about 40 s a
+week, inside the one minute asked of the simulator). With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts
 Decoupled DiLoCo at M = 8, 1.2M chips at 83.6 % (published: 88; these defaults:
 76.4 %).
 
@@ -82,15 +81,17 @@ PUBLISHED_DILOCO = {(1_200_000, 8): 88}
 
 # What one run may ask of this machine, checked before anything is drawn or simulated
 # (``SimConfig.work``). Measured here: a baseline walks about 700k failures a second and
-# Decoupled DiLoCo about 160k island steps a second. The paper's runs are far inside:
-# 2.4M chips for 28 days is 184k failures, and M = 16 at 5 s steps 7.7M island steps
-# (a fixed global batch of 150k chips at 2.4M: 31M island steps a week, ~3.5 minutes).
+# Decoupled DiLoCo 170-200k island steps a second when most uploads are merged (one
+# policy decision each) and about 650k when most are stale. The paper's runs are far
+# inside: 2.4M chips for 28 days is 184k failures, and M = 16 at 5 s steps 7.7M island
+# steps (a fixed global batch of 150k chips at 2.4M: 31M a week by this estimate, 26M
+# simulated, about 40 s).
 MAX_FAILURES = 10_000_000
 """Expected chip failures in one trace (chips x (days + repair_s) / chip_mtbi_s): the trace
 is held in memory (about 90 bytes a failure while a system walks it: 0.9 GB at the cap) and
 every system walks it (about 8 s a system at the cap)."""
 MAX_ISLAND_STEPS = 50_000_000
-"""Expected Decoupled DiLoCo island steps (M x days / one step), each an event (about five
+"""Expected Decoupled DiLoCo island steps (M x days / one step), each an event (one to five
 minutes at the cap)."""
 MAX_SLICES = 10_000_000
 """Slices (chips / chips_per_slice): every system keeps per-slice state."""
