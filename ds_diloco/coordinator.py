@@ -122,13 +122,15 @@ class _Contribution:
     row: int
     sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
     incarnation: int = 1
+    final: bool = False
+    """From the island's final flush: merged with the next round, never closes one."""
     ranks: set[int] = dataclasses.field(default_factory=set)
     complete_at: float | None = None
     failed: int = 0
     """Failed merges it was in (it went back into the round after each)."""
 
-    def counters(self) -> tuple[int, int, int, int]:
-        return (self.world_size, self.base_version, self.tokens, self.steps)
+    def counters(self) -> tuple[int, int, int, int, int]:
+        return (self.world_size, self.base_version, self.tokens, self.steps, int(self.final))
 
     def norm(self) -> float:
         """L2 norm of the pseudo-gradient (over the ranks' slices received so far)."""
@@ -437,7 +439,7 @@ class Coordinator:
                 log.info("island %s joins with world size %d", island, world_size)
             else:  # restarted (or resized): it may count its steps from an earlier checkpoint
                 log.info("island %s registers again with world size %d", island, world_size)
-                isl.world_size, isl.left_at = world_size, None
+                isl.world_size, isl.left_at, isl.finishing = world_size, None, False
                 isl.registrations += 1
                 isl.uploads.clear()
                 isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
@@ -509,7 +511,7 @@ class Coordinator:
             if incarnation is not None:
                 _check_incarnation("leave", isl, incarnation)
             isl.left_at = time.time()
-            self._drop_pending(island)
+            self._drop_pending(island, keep_final=True)  # merged with the rounds to come
         self._save_table()
         log.info("island %s left the run", island)
         return {"island": island, "left": True}
@@ -576,13 +578,16 @@ class Coordinator:
             h.island, h.incarnation, isl.registrations, h.world_size,
         )  # fmt: skip
         isl.registrations, isl.world_size, isl.left_at = h.incarnation, h.world_size, None
+        isl.finishing = False
         isl.uploads.clear()
         isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
         self._drop_pending(isl.island)
 
-    def _drop_pending(self, island: str) -> None:
+    def _drop_pending(self, island: str, keep_final: bool = False) -> None:
         for fs in self._frags:
             for table in (fs.assembling, fs.complete):
+                if keep_final and table is fs.complete and island in table and table[island].final:
+                    continue
                 c = table.pop(island, None)
                 if c is not None:
                     fs.give_row(c.row)
@@ -594,8 +599,13 @@ class Coordinator:
             isl.count_dropped(fs.fragment.index, c.step, c.steps)
 
     def _is_live(self, isl: IslandRecord, now: float) -> bool:
-        """Heard from within the lease (``island_timeout_s``) and not gone for good."""
-        return isl.left_at is None and now - isl.last_seen <= self.cfg.island_timeout_s
+        """Heard from within the lease (``island_timeout_s``), not gone for good, and not
+        finishing (its final flush under way: no round waits for it any more)."""
+        return (
+            isl.left_at is None
+            and not isl.finishing
+            and now - isl.last_seen <= self.cfg.island_timeout_s
+        )
 
     def _live_islands(self, now: float) -> int:
         return sum(1 for i in self._islands.values() if self._is_live(i, now))
@@ -654,12 +664,14 @@ class Coordinator:
                 raise CoordinatorError(
                     409,
                     f"counters disagree for island {h.island!r} fragment {h.fragment} step "
-                    f"{h.step}: (world_size, base_version, tokens, steps) = "
+                    f"{h.step}: (world_size, base_version, tokens, steps, final) = "
                     f"{self._counters(h)} but earlier ranks sent {cur.counters()}",
                 )
             # Accepted from here on: nothing below refuses.
             isl.uploads[(h.fragment, h.rank)] = h.step
             isl.last_seen = now
+            if h.final:  # done training: no round waits for it, its results are not needed
+                isl.finishing = True
             if h.step > isl.last_step:
                 if isl.last_step_at is not None and isl.last_step > 0:
                     isl.step_time.update((now - isl.last_step_at) / (h.step - isl.last_step))
@@ -692,6 +704,7 @@ class Coordinator:
                     row=fs.take_row(),
                     sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
                     incarnation=h.incarnation,
+                    final=bool(h.final),
                 )
                 fs.assembling[h.island] = cur
             row = fs.rows[cur.row]
@@ -720,8 +733,8 @@ class Coordinator:
             return self._reply("accepted", fs, why, complete=complete, weight=weight)
 
     @staticmethod
-    def _counters(h: wire.UploadHeader) -> tuple[int, int, int, int]:
-        return (h.world_size, h.base_version, h.tokens, h.steps)
+    def _counters(h: wire.UploadHeader) -> tuple[int, int, int, int, int]:
+        return (h.world_size, h.base_version, h.tokens, h.steps, h.final)
 
     @staticmethod
     def _reply(status: str, fs: _FragmentState, reason: str, **extra) -> dict:
@@ -868,11 +881,13 @@ class Coordinator:
     def round_state(self, index: int, now: float) -> RoundState:
         fs = self._frags[index]
         live = self._live_islands(now)
-        times = sorted(c.complete_at for c in fs.complete.values())
+        # The quorum's clock runs on the contributions that may close the round.
+        times = sorted(c.complete_at for c in fs.complete.values() if not c.final)
         quorum = max(1, min(self.cfg.policy.min_quorum, live))
         return RoundState(
             live_islands=live,
-            contributors=len(times),
+            contributors=len(fs.complete),
+            passive=len(fs.complete) - len(times),
             first_arrival=times[0] if times else None,
             quorum_at=times[quorum - 1] if len(times) >= quorum else None,
             xi_step=self._fastest_step_s(),  # the fastest island must not wait
@@ -1205,6 +1220,7 @@ class Coordinator:
                         "world_size": v.world_size,
                         "live": self._is_live(v, now),
                         "left": v.left_at is not None,
+                        "finishing": v.finishing,
                         "registrations": v.registrations,
                         "steps_merged": v.steps_merged,
                         "steps_dropped": v.steps_dropped,

@@ -52,6 +52,9 @@ class IslandRecord:
     registrations: int = 1
     started: bool = False
     """It said it is about to take its first step (:meth:`Coordinator.start`)."""
+    finishing: bool = False
+    """It sent its final flush (an upload marked ``final``): done training, it is no
+    longer live for any quorum; its final contributions wait for the next rounds."""
 
     def count_dropped(self, fragment: int, step: int, steps: int) -> None:
         if self.last_dropped.get(fragment) != step:
@@ -71,6 +74,7 @@ class IslandRecord:
             "joined_at": self.joined_at,
             "left_at": self.left_at,
             "registrations": self.registrations,
+            "finishing": self.finishing,
             "uploads": [[f, r, s] for (f, r), s in sorted(self.uploads.items())],
             "last_dropped": [[f, s] for f, s in sorted(self.last_dropped.items())],
             "step_time": self.step_time.to_dict(),
@@ -86,6 +90,7 @@ class IslandRecord:
         isl.joined_at = d.get("joined_at", time.time())
         isl.left_at = d.get("left_at")
         isl.registrations = d.get("registrations", 1)
+        isl.finishing = d.get("finishing", False)
         isl.uploads = {(f, r): s for f, r, s in d["uploads"]}
         # (else a contribution whose ranks were dropped on both sides of a restart counted twice)
         isl.last_dropped = {f: s for f, s in d.get("last_dropped", [])}

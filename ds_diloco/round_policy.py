@@ -7,7 +7,8 @@ timing rules are unit-tested directly.
 Rule (Decoupled DiLoCo): merge once the minimum quorum K of islands has
 contributed, after an adaptive grace window that picks up more islands only
 while no island would have to wait for the result; merge at once when every
-live island is in.
+live island is in. The final contributions of islands that finished training
+are merged with whichever round closes next, and never close one.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ class RoundState:
     contributors: int
     """Islands with a complete, counted contribution in the open round."""
 
+    passive: int = 0
+    """Of the contributors, islands that finished training (their final flush): they wait
+    for no result, so their contributions neither make the quorum nor close the round;
+    they are merged with it when it closes. Not counted in ``live_islands``."""
+
     first_arrival: float | None = None
     """Time of the round's first contribution (None before it)."""
 
@@ -130,6 +136,11 @@ class RoundState:
             raise ValueError(
                 "RoundState.live_islands and contributors must be >= 0, got "
                 f"{self.live_islands} and {self.contributors}"
+            )
+        if not 0 <= self.passive <= self.contributors:
+            raise ValueError(
+                f"RoundState.passive must be in [0, contributors={self.contributors}], "
+                f"got {self.passive}"
             )
 
 
@@ -227,9 +238,17 @@ def _expected_wait(state: RoundState, opts: PolicyOptions) -> tuple[float | None
 
 def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
     """Merge now, or wait (until ``wait_until``, or until the next arrival when None)."""
-    c, live, k = state.contributors, state.live_islands, opts.min_quorum
+    c, live, k = state.contributors - state.passive, state.live_islands, opts.min_quorum
     if c == 0:
-        return Decision(False, None, "no contribution yet")
+        if state.passive == 0:
+            return Decision(False, None, "no contribution yet")
+        # A finished island's last steps are merged with the next round of an island still
+        # training: closed now, that island's upload of this round would come stale.
+        if live > 0:
+            return Decision(False, None, Why("only final contributions ({}): waiting for one "
+                                             "of the {} live islands", state.passive, live))  # fmt: skip
+        return Decision(True, None, Why("only final contributions ({}), no live island left",
+                                        state.passive))  # fmt: skip
     # A dead island must never make the others wait: the quorum is capped by the live ones.
     quorum = max(1, min(k, live))
     k_desc = Why("K={}", k) if quorum == k else Why("K={} capped to {} live islands", k, quorum)
@@ -237,6 +256,7 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
         return Decision(False, None, Why("quorum {}/{} ({})", c, quorum, k_desc))
     if c >= live:
         extra = f" ({c} contributions)" if c != live else ""
+        extra += f" + {state.passive} final" if state.passive else ""
         return Decision(True, None, Why("all {} live islands in{}", live, extra))
     grace, grace_why = _grace_window(state, opts)
     quorum_at = now if state.quorum_at is None else state.quorum_at

@@ -588,7 +588,7 @@ class FragmentSyncer:
             "step(s) earlier (phase %d)", self.island, self.rank, late_ms / 1e3, shift, self.phase,
         )  # fmt: skip
 
-    def _send(self, frag: Fragment, step: int, ok: bool, tokens: int) -> None:
+    def _send(self, frag: Fragment, step: int, ok: bool, tokens: int, final: bool = False) -> None:
         slot = self.slots[frag.index]
         # Every rank marks the send, uploaded or not, so that the ranks' due steps agree. A
         # skip keeps the mark of an earlier upload still waiting for its result: moved on,
@@ -642,6 +642,7 @@ class FragmentSyncer:
             steps=max(slot.steps, 1),
             incarnation=self.incarnation,
             run=self.run,
+            final=int(final),
         )
         with self._lock:
             slot.in_flight = slot.holds_upload = slot.sending = True
@@ -972,7 +973,7 @@ class FragmentSyncer:
         return accepted
 
     # ------------------------------------------------------------ end of training
-    def flush(self, timeout_s: float = 60.0) -> list[int]:
+    def flush(self, timeout_s: float = 60.0, final: bool = False) -> list[int]:
         """Send the progress the last scheduled sends left behind; every rank calls it.
 
         Call after the last :meth:`on_step`, before :meth:`close`, when the island is
@@ -993,10 +994,20 @@ class FragmentSyncer:
            contribution is merged loses it (the coordinator drops what a leaving
            island has pending), so this wait is what makes the flush count.
 
+        ``final``: the island leaves for good after it. Its uploads are then marked
+        final: the coordinator merges each with the next round of its fragment that
+        closes (at the latest once no island that trains is left), keeps it past the
+        island's leave, and no round waits for the island any more. Closing a round on
+        its own, a flush upload made the uploads of that round from the islands still
+        training stale (with K = 1 they came after it): their steps on the fragment, up
+        to H each, lost for the flush's H/2 on average. Part 3 then waits for the
+        results of the islands' next uploads; one that comes after ``timeout_s`` is
+        merged all the same.
+
         Returns the fragments sent. With K = M a round needs every live island's
         upload: each island's flush sends the same fragments (the schedule is
-        shared), and an island that has left no longer counts, so the rounds close.
-        With K = 1 a flush upload based on a version that another island's merge
+        shared), and an island that has left or is finishing no longer counts, so the
+        rounds close. A flush upload based on a version that another island's merge
         has replaced is stale: dropped, as it would be at any step.
         """
         if self._last_step is None or not any(t.is_alive() for t in self._threads):
@@ -1005,7 +1016,7 @@ class FragmentSyncer:
         with self._lock:
             self._flushing, self._flush_lost = True, 0
         self._settle(t0 + timeout_s / 2, refetch=True)
-        sent = self._send_progress(self._last_step)
+        sent = self._send_progress(self._last_step, final)
         self.stats.flushed += len(sent)
         # Failed or refused, an upload waits for nothing: its result is missing all the same.
         self.stats.flush_unsettled += self._settle(t0 + timeout_s) + self._flush_lost
@@ -1059,8 +1070,9 @@ class FragmentSyncer:
                 finally:
                     client.close()
 
-    def _send_progress(self, step: int) -> list[int]:
-        """Send, at ``step``, every fragment with steps since its last apply (the island agrees)."""
+    def _send_progress(self, step: int, final: bool = False) -> list[int]:
+        """Send, at ``step``, every fragment with steps since its last apply (the island
+        agrees); ``final``: marked as the island's final flush."""
         with self._lock:
             self._paused = True  # the downloader starts no new fetch ...
         for slot in self.slots:
@@ -1077,7 +1089,7 @@ class FragmentSyncer:
             p, sent = len(self.slots), []
             for i, frag in enumerate(self.plan.fragments):
                 if lows[i] == 1:  # every rank has progress on it and the base it started from
-                    self._send(frag, step, True, sum(r[p + i] for r in rows))
+                    self._send(frag, step, True, sum(r[p + i] for r in rows), final)
                     sent.append(i)
             return sent
         finally:
@@ -1106,8 +1118,8 @@ class FragmentSyncer:
         the global model each try once more, at most ``GONE_RETRY_S``, rather than with
         their full waits (flush, leave and take_global one after the other took 193 s
         through the HF callback, which promised 120; 272 s with a coordinator that hung)."""
-        if flush:
-            self.flush(flush_timeout_s)
+        if flush:  # leaving for good: the coordinator merges the flush with the next rounds
+            self.flush(flush_timeout_s, final=leave)
         once = self.client.with_limits(timeout_s=GONE_RETRY_S)
         try:
             # Asked now when it matters (after an error: neither, no probe), else the last

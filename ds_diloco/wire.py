@@ -70,6 +70,15 @@ class UploadHeader:
     has no record of the island (its state dir put back from a backup older than the
     registration) takes it as registered only if this is its own run. Optional: omitted
     when empty, and then such an upload is refused as from an unknown island."""
+    final: int = 0
+    """1: the island's final flush before it leaves for good. The coordinator merges it
+    with the fragment's next round that closes (an island that finished waits for no
+    result, so it neither makes a quorum nor closes a round), and keeps it when the island
+    leaves. Optional: omitted when 0."""
+
+    def __post_init__(self) -> None:
+        if self.final not in (0, 1):
+            raise WireError(f"metadata field 'final' must be 0 or 1, got {self.final}")
 
 
 SUPERSEDED = "this process was superseded"
@@ -89,19 +98,24 @@ class FragmentHeader:
     rank: int
 
 
+_OPTIONAL = {"run": "", "final": 0}
+"""Header fields added after the first wire version, by their default: omitted when they
+hold it, and read as it when omitted (an empty ``run`` too)."""
+
+
 def _header_to_meta(header) -> dict[str, str]:
-    """Every field as a string; an optional text field left empty is omitted."""
+    """Every field as a string; an optional field that holds its default is omitted."""
     return {
         f.name: str(getattr(header, f.name))
         for f in dataclasses.fields(header)
-        if not (f.default == "" and getattr(header, f.name) == "")
+        if not (f.name in _OPTIONAL and getattr(header, f.name) == _OPTIONAL[f.name])
     }
 
 
 def _meta_to_header(cls, meta: Mapping[str, str]):
     values = {}
     for f in dataclasses.fields(cls):
-        if f.default == "" and not meta.get(f.name):  # optional: omitted, or empty
+        if f.name in _OPTIONAL and not meta.get(f.name):  # optional: omitted, or empty
             continue
         if f.name not in meta:
             raise WireError(f"missing metadata field {f.name!r}")

@@ -50,6 +50,7 @@ def send(
     scale=1e-3,
     incarnation=1,
     run="",
+    final=0,
 ):
     steps = min(2, step) if steps is None else steps  # an island's first sends come early
     frag = coord.plan.fragments[fragment]
@@ -61,7 +62,7 @@ def send(
         header = wire.UploadHeader(
             island=island, rank=rank, world_size=world_size, fragment=fragment,
             base_version=base, step=step, tokens=tokens, steps=steps, incarnation=incarnation,
-            run=run,
+            run=run, final=final,
         )  # fmt: skip
         replies.append(
             coord.upload(wire.encode_upload(header, rank_slices(frag, full, world_size, rank)))
@@ -182,6 +183,46 @@ def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config
     assert reply["incarnation"] == 2
     assert send(coord, "c", 1, step=2, incarnation=2)["status"] == "accepted"
     assert coord.status()["islands"]["c"]["registrations"] == 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_final_flush_waits_for_the_next_round_and_outlives_its_islands_leave(
+    tiny_config_path, tmp_path, k
+):
+    """An island's final flush (it leaves for good) closes no round: it is merged with the
+    next round of an island still training, whose upload, based on the same version,
+    is therefore not stale; once no island trains any more, it is merged alone."""
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=k, grace_gamma=0.5, max_grace_s=10.0, tau=1),
+        island_timeout_s=100.0,
+    )  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    for frag in (0, 1):
+        assert send(coord, "a", frag, step=5, final=1)["status"] == "accepted"
+        d = coord.poll(frag)
+        assert not d.merge and "only final contributions (1)" in d.reason, d.reason
+    st = coord.status()["islands"]["a"]
+    assert st["finishing"] is True and st["live"] is False
+    coord.leave("a")  # a left: its final contributions stay
+    assert not coord.poll(0).merge
+    clock.now += 1.0
+    assert send(coord, "b", 0, step=2)["status"] == "accepted"  # base version 0: not stale
+    d = coord.poll(0)
+    assert d.merge and "all 1 live islands in + 1 final" in d.reason, d.reason
+    assert coord.versions() == [1, 0]
+    assert coord._frags[0].merged_by.keys() == {"a", "b"}
+    coord.leave("b")  # no island trains any more: fragment 1 merges a's flush alone
+    d = coord.poll(1)
+    assert d.merge and "no live island left" in d.reason, d.reason
+    assert coord.versions() == [1, 1] and coord._frags[1].merged_by.keys() == {"a"}
+    st = coord.status()["islands"]
+    assert (st["a"]["merged"], st["a"]["dropped"], st["b"]["merged"]) == (2, 0, 1)
+    coord.register("a", 1, coord.plan.signature)  # back: live again, a round waits for it
+    assert coord.status()["islands"]["a"]["finishing"] is False
+    assert coord.status()["islands"]["a"]["live"] is True
 
 
 def test_uploads_of_a_superseded_incarnation_are_refused_and_change_nothing(

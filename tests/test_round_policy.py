@@ -36,6 +36,28 @@ def test_below_quorum_waits():
     assert d.reason == "quorum 1/3 (K=3)"
 
 
+def test_final_contributions_neither_make_the_quorum_nor_close_the_round():
+    """Islands that finished (their final flush) are not live and wait for no result."""
+    only = _state(live_islands=2, contributors=1, passive=1, quorum_at=None)
+    d = decide(11.0, only, PolicyOptions(min_quorum=1))
+    assert d == Decision(
+        False, None, "only final contributions (1): waiting for one of the 2 live islands"
+    )
+    # A live island's upload counts as the first: quorum 1/1, grace, then merged with the final.
+    one = _state(live_islands=2, contributors=2, passive=1, quorum_at=10.0)
+    assert not decide(
+        10.5, one, PolicyOptions(min_quorum=1)
+    ).merge  # grace 0.5 x (2 x 1 - 0.5) = 0.75 s
+    assert decide(10.8, one, PolicyOptions(min_quorum=1)).merge
+    assert not decide(10.8, one, PolicyOptions(min_quorum=2)).merge  # 1 of K=2 live ones
+    all_in = _state(live_islands=1, contributors=2, passive=1)
+    d = decide(10.0, all_in, PolicyOptions(min_quorum=1))
+    assert d == Decision(True, None, "all 1 live islands in + 1 final")
+    nobody = _state(live_islands=0, contributors=2, passive=2, quorum_at=None)
+    d = decide(10.0, nobody, PolicyOptions(min_quorum=3))
+    assert d == Decision(True, None, "only final contributions (2), no live island left")
+
+
 def test_synchronous_when_k_equals_live_islands():
     opts = PolicyOptions(min_quorum=3)
     for c in (1, 2):
@@ -131,6 +153,8 @@ def test_options_validation(kwargs, field):
 def test_round_state_validation():
     with pytest.raises(ValueError, match="live_islands"):
         RoundState(live_islands=-1, contributors=0)
+    with pytest.raises(ValueError, match="passive"):
+        RoundState(live_islands=1, contributors=1, passive=2)
 
 
 def test_ema():

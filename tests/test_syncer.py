@@ -742,6 +742,38 @@ def test_flush_with_quorum_all_islands_completes_the_rounds_as_islands_finish(
         assert steps == {"a": 8, "b": 11}, steps
 
 
+def test_a_final_flush_is_merged_with_the_next_round_of_an_island_still_training(
+    tiny_config_path, tmp_path
+):
+    """K = 1: island a finishes and flushes for good while b trains on. The flush closes
+    no round (b's upload of that round would come stale): a gives up waiting for the
+    result at its bound and leaves; its flush is merged with b's next upload of the
+    fragment, based on the same version, which is not stale."""
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (a,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), world=1)
+        (b,) = island_syncers(srv, client, "b", model_from(tiny_config_path, 0), world=1)
+        a.bootstrap(), b.bootstrap()
+        train(a, range(1, 6))  # alone: fragment 0 merged at step 2, fragment 1 at step 4
+        assert srv.coord.versions() == [1, 1]
+        assert a.flush(timeout_s=2.0, final=True) == [0]  # steps 4 and 5 of fragment 0
+        assert a.stats.flush_unsettled == 1 and srv.coord.versions() == [1, 1]
+        a.close(timeout=5)
+        a.leave()
+        assert srv.coord.status()["islands"]["a"]["left"] is True
+        # b's first uploads (steps 2 and 4) are based on version 0: stale since a's merges.
+        # It takes versions 1 then, and its upload of fragment 0 at step 6 closes the round
+        # that a's flush is in.
+        train(b, range(1, 7))
+        wait_for(lambda: srv.coord.versions() == [2, 1])
+        b.close(timeout=5)
+        st = srv.coord.status()["islands"]
+        assert (st["a"]["merged"], st["a"]["dropped"]) == (3, 0), st["a"]
+        assert (st["b"]["merged"], st["b"]["dropped"]) == (1, 2), st["b"]
+        assert st["a"]["steps_merged"] == 2 + 4 + 2, st["a"]
+        assert st["b"]["steps_merged"] == 3, st["b"]  # steps 4 to 6 (version 1 applied at 3)
+
+
 def test_a_flush_that_gets_no_results_gives_up_on_every_rank_at_its_bound(
     tiny_config_path, tmp_path
 ):

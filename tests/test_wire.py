@@ -220,7 +220,7 @@ def test_upload_header_round_trip(tmp_path):
     path = tmp_path / "upload.safetensors"
     path.write_bytes(body)
     meta, _ = read_with_safe_open(path)
-    assert meta == upload_meta()  # every field but an empty run
+    assert meta == upload_meta()  # every field but the optional ones at their defaults
 
 
 def test_fragment_header_round_trip():
@@ -230,13 +230,20 @@ def test_fragment_header_round_trip():
     assert_same(got, slices)
 
 
+OPTIONAL = {"run": "", "final": 0}  # omitted at these values
+
+
 def upload_meta(**changes) -> dict[str, str]:
-    meta = {k: str(v) for k, v in dataclasses.asdict(UPLOAD).items() if v != ""}
+    meta = {
+        k: str(v)
+        for k, v in dataclasses.asdict(UPLOAD).items()
+        if k not in OPTIONAL or v != OPTIONAL[k]
+    }
     meta.update(changes)
     return {k: v for k, v in meta.items() if v is not None}
 
 
-REQUIRED = [f.name for f in dataclasses.fields(UploadHeader) if f.default != ""]
+REQUIRED = [f.name for f in dataclasses.fields(UploadHeader) if f.name not in OPTIONAL]
 
 
 def test_an_upload_may_say_its_run_and_omits_it_when_it_has_none():
@@ -249,6 +256,21 @@ def test_an_upload_may_say_its_run_and_omits_it_when_it_has_none():
     empty = wire.encode({"w": torch.ones(1)}, upload_meta(run=""))  # sent empty: none either
     assert wire.decode_upload(empty)[0] == UPLOAD
     assert "run" not in REQUIRED and "incarnation" in REQUIRED
+
+
+def test_a_final_flush_upload_says_so_and_others_omit_it():
+    final = dataclasses.replace(UPLOAD, final=1)
+    body = wire.encode_upload(final, {"w": torch.ones(1)})
+    assert wire.decode_upload_with_metadata(body)[2]["final"] == "1"
+    assert wire.decode_upload(body)[0] == final
+    assert (
+        "final"
+        not in wire.decode_upload_with_metadata(wire.encode_upload(UPLOAD, {"w": torch.ones(1)}))[2]
+    )
+    for bad in ("2", "-1", "yes"):
+        body = wire.encode({"w": torch.ones(1)}, upload_meta(final=bad))
+        with pytest.raises(WireError, match="'final' must be"):
+            wire.decode_upload(body)
 
 
 @pytest.mark.parametrize("field", REQUIRED)
