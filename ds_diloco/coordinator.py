@@ -883,11 +883,19 @@ class Coordinator:
         live = self._live_islands(now)
         # The quorum's clock runs on the contributions that may close the round.
         times = sorted(c.complete_at for c in fs.complete.values() if not c.final)
+        finals = [c.complete_at for c in fs.complete.values() if c.final]
+        finishing = sum(  # their final flush under way, not in this round (yet)
+            1 for name, isl in self._islands.items()
+            if isl.finishing and isl.left_at is None and name not in fs.complete
+            and now - isl.last_seen <= self.cfg.island_timeout_s
+        )  # fmt: skip
         quorum = max(1, min(self.cfg.policy.min_quorum, live))
         return RoundState(
             live_islands=live,
             contributors=len(fs.complete),
-            passive=len(fs.complete) - len(times),
+            passive=len(finals),
+            finishing=finishing,
+            first_final=min(finals, default=None),
             first_arrival=times[0] if times else None,
             quorum_at=times[quorum - 1] if len(times) >= quorum else None,
             xi_step=self._fastest_step_s(),  # the fastest island must not wait

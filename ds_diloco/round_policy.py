@@ -112,6 +112,14 @@ class RoundState:
     for no result, so their contributions neither make the quorum nor close the round;
     they are merged with it when it closes. Not counted in ``live_islands``."""
 
+    finishing: int = 0
+    """Islands that finished training and have not left yet (their final flush under way)
+    with no contribution in this round: a round of final contributions alone waits a
+    little for theirs (see :func:`decide`)."""
+
+    first_final: float | None = None
+    """Time of the round's first final contribution (None: none)."""
+
     first_arrival: float | None = None
     """Time of the round's first contribution (None before it)."""
 
@@ -247,8 +255,19 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
         if live > 0:
             return Decision(False, None, Why("only final contributions ({}): waiting for one "
                                              "of the {} live islands", state.passive, live))  # fmt: skip
-        return Decision(True, None, Why("only final contributions ({}), no live island left",
-                                        state.passive))  # fmt: skip
+        if state.finishing == 0:
+            return Decision(True, None, Why("only final contributions ({}), no live island left",
+                                            state.passive))  # fmt: skip
+        # Islands that finish together flush one fragment after another: merged before
+        # another one's final upload of this fragment came, that one would come stale.
+        until = (now if state.first_final is None else state.first_final) + opts.max_grace_s
+        if now < until:
+            return Decision(False, until, Why("only final contributions ({}): waiting {:.3f}s "
+                                              "for {} finishing island(s)", state.passive,
+                                              until - now, state.finishing))  # fmt: skip
+        return Decision(True, None, Why("only final contributions ({}); {} finishing island(s) "
+                                        "sent none within {:g}s", state.passive,
+                                        state.finishing, opts.max_grace_s))  # fmt: skip
     # A dead island must never make the others wait: the quorum is capped by the live ones.
     quorum = max(1, min(k, live))
     k_desc = Why("K={}", k) if quorum == k else Why("K={} capped to {} live islands", k, quorum)

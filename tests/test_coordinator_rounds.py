@@ -225,6 +225,34 @@ def test_a_final_flush_waits_for_the_next_round_and_outlives_its_islands_leave(
     assert coord.status()["islands"]["a"]["live"] is True
 
 
+def test_the_final_flushes_of_islands_that_finish_together_are_merged_together(
+    tiny_config_path, tmp_path
+):
+    """No island trains any more, but b's flush is still under way: a round holding a's
+    final upload waits for b's (at most the grace window's cap), so that b's, based on
+    the same version, does not come stale; a round b sends nothing to merges at the cap."""
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=1, max_grace_s=5.0, tau=1), island_timeout_s=100.0,
+    )  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    send(coord, "a", 0, step=5, final=1)
+    send(coord, "a", 1, step=5, final=1)
+    send(coord, "b", 1, step=5, final=1)  # b finishing too: nobody is live
+    assert coord.poll(1).merge  # both in
+    d = coord.poll(0)
+    assert not d.merge and d.wait_until == clock.now + 5.0, d.reason
+    clock.now += 2.0
+    send(coord, "b", 0, step=6, final=1)  # based on version 0 too: not stale
+    d = coord.poll(0)
+    assert d.merge and "no live island left" in d.reason, d.reason
+    assert coord.versions() == [1, 1]
+    assert coord._frags[0].merged_by.keys() == {"a", "b"} == coord._frags[1].merged_by.keys()
+    assert all(v["dropped"] == 0 for v in coord.status()["islands"].values())
+
+
 def test_uploads_of_a_superseded_incarnation_are_refused_and_change_nothing(
     tiny_config_path, tmp_path
 ):

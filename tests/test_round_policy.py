@@ -56,6 +56,13 @@ def test_final_contributions_neither_make_the_quorum_nor_close_the_round():
     nobody = _state(live_islands=0, contributors=2, passive=2, quorum_at=None)
     d = decide(10.0, nobody, PolicyOptions(min_quorum=3))
     assert d == Decision(True, None, "only final contributions (2), no live island left")
+    # Another island finishing (its flush under way) may still send its final upload of
+    # this fragment: waited for, at most the grace window's cap after the first final.
+    flushing = _state(live_islands=0, contributors=1, passive=1, finishing=1, first_final=10.0)
+    d = decide(12.0, flushing, PolicyOptions(max_grace_s=5.0))
+    assert not d.merge and d.wait_until == 15.0 and "1 finishing island(s)" in d.reason
+    d = decide(15.0, flushing, PolicyOptions(max_grace_s=5.0))
+    assert d.merge and "sent none within 5s" in d.reason
 
 
 def test_synchronous_when_k_equals_live_islands():
