@@ -308,7 +308,11 @@ class Learner:
         ``flush`` (default True): first send every fragment's steps since its last
         apply and wait, at most ``flush_timeout_s``, until they are merged
         (:meth:`FragmentSyncer.flush`), so the global model has the island's last
-        steps. An island that comes back gets them only this way: a new Learner starts
+        steps. With ``leave`` they are sent as the island's final flush: merged with
+        the next round of each fragment that closes (with other islands still training,
+        possibly after this wait, and then not in what ``take_global`` loads), never
+        closing a round on their own (that made the others' uploads stale).
+        An island that comes back gets them only this way: a new Learner starts
         from the global model (a DeepSpeed checkpoint brings back AdamW state, step and
         data position; its weights are overwritten). ``__exit__`` after an error does
         not flush (the ranks may not all be here).
