@@ -133,7 +133,7 @@ def prometheus_text(status: dict[str, Any]) -> str:
            [({"fragment": i}, last.get(str(i), {}).get("pseudo_gradient_norm")) for i in frags])  # fmt: skip
     isl = status["islands"]
     per_island = [
-        ("island_live", "gauge", "1 if the island holds a live lease.", lambda v: int(v["live"])),
+        ("island_live", "gauge", "1 if the island counts for quorums: a live lease, not finishing.", lambda v: int(v["live"])),
         ("island_registrations_total", "counter", "Registrations (restarts + 1).",
          lambda v: v["registrations"]),
         ("island_last_step", "gauge", "Last inner step the island reported.",
