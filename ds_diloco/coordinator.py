@@ -598,14 +598,14 @@ class Coordinator:
         if isl is not None:
             isl.count_dropped(fs.fragment.index, c.step, c.steps)
 
+    def _holds_lease(self, isl: IslandRecord, now: float) -> bool:
+        """Heard from within the lease (``island_timeout_s``) and not gone for good."""
+        return isl.left_at is None and now - isl.last_seen <= self.cfg.island_timeout_s
+
     def _is_live(self, isl: IslandRecord, now: float) -> bool:
-        """Heard from within the lease (``island_timeout_s``), not gone for good, and not
-        finishing (its final flush under way: no round waits for it any more)."""
-        return (
-            isl.left_at is None
-            and not isl.finishing
-            and now - isl.last_seen <= self.cfg.island_timeout_s
-        )
+        """Holds its lease and is not finishing (its final flush under way: no round waits
+        for it any more)."""
+        return not isl.finishing and self._holds_lease(isl, now)
 
     def _live_islands(self, now: float) -> int:
         return sum(1 for i in self._islands.values() if self._is_live(i, now))
@@ -886,8 +886,7 @@ class Coordinator:
         finals = [c.complete_at for c in fs.complete.values() if c.final]
         finishing = sum(  # their final flush under way, not in this round (yet)
             1 for name, isl in self._islands.items()
-            if isl.finishing and isl.left_at is None and name not in fs.complete
-            and now - isl.last_seen <= self.cfg.island_timeout_s
+            if isl.finishing and name not in fs.complete and self._holds_lease(isl, now)
         )  # fmt: skip
         quorum = max(1, min(self.cfg.policy.min_quorum, live))
         return RoundState(
