@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -12,8 +13,10 @@ from ds_diloco.cli import main as cli_main
 from ds_diloco.fragments import Schedule
 from ds_diloco.simulate import PAPER_CHIPS, PUBLISHED, SimConfig, failure_trace, simulate
 from ds_diloco.simulate.baselines import simulate_dp, simulate_elastic
+from ds_diloco.simulate.plan import recommend
 from ds_diloco.simulate.report import parse_count
-from ds_diloco.simulate.result import CHIP_TIME
+from ds_diloco.simulate.result import CHIP_TIME, SystemResult
+from ds_diloco.simulate.run import sweep_configs
 from ds_diloco.simulate.trace import slowest_chip
 
 # Small and short: every test below runs in well under a second.
@@ -424,3 +427,69 @@ def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
                       (["--chips", ","], "--chips: give at least one")):  # fmt: skip
         assert cli_main([*argv, *bad]) == 2, bad
         assert says in capsys.readouterr().err, bad
+
+
+# --------------------------------------------------------------- planning (plan.py)
+def _row(islands: int, k: int, goodput: float, system: str = "diloco") -> SystemResult:
+    return SystemResult(system=system, chips=149_760, islands=islands, min_quorum=k,
+                        goodput=goodput, uptime=1.0, failures=0)  # fmt: skip
+
+
+def test_plan_takes_the_fewest_islands_within_tolerance_then_that_ms_best_quorum():
+    rows = [_row(2, 1, 0.80), _row(4, 1, 0.845), _row(4, 2, 0.848), _row(8, 1, 0.85),
+            _row(16, 1, 0.851), _row(1, 1, 0.70, system="elastic")]  # fmt: skip
+    plan = recommend(rows, tolerance=0.01)
+    # M = 2 is 5 points off; M = 4 is within a point of M = 16's 85.1 %, and K = 2 is its best.
+    assert (plan.islands, plan.min_quorum) == (4, 2)
+    assert plan.goodput == 0.848
+    assert "M=16 K=1, 85.1 %" in plan.reason and "elastic data-parallel: 70.0 %" in plan.reason
+    # No tolerance: the best goodput wins; on a tie the larger quorum.
+    assert (recommend(rows, 0.0).islands, recommend(rows, 0.0).min_quorum) == (16, 1)
+    tie = recommend([_row(8, 1, 0.9), _row(8, 2, 0.9)], 0.0)
+    assert tie.min_quorum == 2 and "the best of 2 setting(s)" in tie.reason
+
+
+def test_plan_refuses_what_it_cannot_plan_from():
+    with pytest.raises(ValueError, match="no Decoupled DiLoCo result"):
+        recommend([_row(1, 1, 0.5, system="dp")])
+    other_size = dataclasses.replace(_row(4, 1, 0.8), chips=299_776)
+    with pytest.raises(ValueError, match="one cluster size at a time"):
+        recommend([_row(2, 1, 0.8), other_size])
+    with pytest.raises(ValueError, match="tolerance"):
+        recommend([_row(2, 1, 0.8)], tolerance=1.5)
+
+
+def test_sweep_runs_every_quorum_up_to_each_m():
+    cfg = SimConfig(**SMALL, systems=("diloco",))
+    tasks = sweep_configs(cfg, [150_000], [2, 4], quorums=[1, 3, 1])
+    assert [(c.islands, c.min_quorum) for c in tasks] == [(2, 1), (4, 1), (4, 3)]
+    with pytest.raises(ValueError, match=r"M=2 islands .* every K asked for \(\[3\]\) is over M"):
+        sweep_configs(cfg, [150_000], [2], quorums=[3])
+
+
+def test_cli_plan_sweeps_quorums_and_recommends_per_size(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--min-quorum", "1,2",
+            "--days", "0.1", "--systems", "elastic,diloco", "--plan", "--json", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "Decoupled DiLoCo, M=2, K=2" in text and "Decoupled DiLoCo, M=4\n" not in text
+    assert "plan at 150k chips: M=" in text and "plan at 300k chips: M=" in text
+    doc = json.loads(out.read_text())
+    rows = [r for r in doc["rows"] if r["system"] == "diloco"]
+    assert sorted((r["chips"], r["islands"], r["min_quorum"]) for r in rows) == [
+        (n, m, k) for n in (149_760, 299_776) for m in (2, 4) for k in (1, 2)
+    ]
+    # K reaches the simulation, not only the label: two islands that must both send
+    # merge differently from one that may merge alone.
+    by = {(r["chips"], r["islands"], r["min_quorum"]): r for r in rows}
+    assert by[(149_760, 2, 1)]["stats"] != by[(149_760, 2, 2)]["stats"]
+    assert len(doc["plan"]) == 2
+    for plan in doc["plan"]:
+        here = [r for r in rows if r["chips"] == plan["chips"]]
+        best = max(r["goodput"] for r in here)
+        assert plan["goodput"] >= best - 0.01
+        assert not any(r["islands"] < plan["islands"] and r["goodput"] >= best - 0.01
+                       for r in here)  # fmt: skip
+    assert cli_main([*argv[:-2], "--systems", "dp,elastic"]) == 2
+    assert "--plan: recommends Decoupled DiLoCo settings" in capsys.readouterr().err

@@ -8,11 +8,13 @@ failure trace:
 - ``trace``     the failure trace and the synchronous step time (slowest chip)
 - ``baselines`` data-parallel restart-from-checkpoint, elastic data-parallel
 - ``diloco``    Decoupled DiLoCo: M islands, rounds closed by ``round_policy.decide``
-- ``run``       ``simulate(cfg)`` and ``sweep(cfg, chips, islands)``
-- ``report``    ``ds-diloco simulate``: tables, PNG plot, JSON
+- ``run``       ``simulate(cfg)`` and ``sweep(cfg, chips, islands, quorums=...)``
+- ``plan``      ``recommend(rows)``: which M and K to run at one cluster size, and why
+- ``report``    ``ds-diloco simulate``: tables, PNG plot, JSON, ``--plan``
 """
 
 from ds_diloco.simulate.config import PAPER_CHIPS, PAPER_ISLANDS, PUBLISHED, SYSTEMS, SimConfig
+from ds_diloco.simulate.plan import Plan, recommend
 from ds_diloco.simulate.report import add_arguments, main
 from ds_diloco.simulate.result import SystemResult
 from ds_diloco.simulate.run import Result, simulate, sweep
@@ -23,6 +25,7 @@ __all__ = [
     "PAPER_ISLANDS",
     "PUBLISHED",
     "SYSTEMS",
+    "Plan",
     "Result",
     "SimConfig",
     "SystemResult",
@@ -30,6 +33,7 @@ __all__ = [
     "add_arguments",
     "failure_trace",
     "main",
+    "recommend",
     "simulate",
     "sweep",
 ]

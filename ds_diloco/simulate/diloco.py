@@ -513,6 +513,7 @@ class _Sim:
             system="diloco",
             chips=cfg.used_chips,
             islands=cfg.islands,
+            min_quorum=cfg.min_quorum,
             goodput=self.useful / total,
             uptime=sum(b - a for a, b in self.covered) / cfg.duration_s,
             failures=failures,

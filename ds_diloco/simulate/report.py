@@ -19,11 +19,12 @@ from ds_diloco.simulate.config import (
     SYSTEMS,
     SimConfig,
 )
+from ds_diloco.simulate.plan import DEFAULT_TOLERANCE, Plan, recommend
 from ds_diloco.simulate.result import CHIP_TIME
 from ds_diloco.simulate.run import Result, run_configs, sweep_configs
 
 # Set by their own flags (lists, or not numbers); every other SimConfig field gets --field-name.
-_OWN = ("chips", "islands", "days", "seed", "systems")
+_OWN = ("chips", "islands", "min_quorum", "days", "seed", "systems")
 
 
 class CountError(argparse.ArgumentTypeError, ValueError):
@@ -56,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Decoupled DiLoCo learners M, comma-separated (default 2,4,8,16)")  # fmt: skip
     g.add_argument("--chips-per-island", type=parse_count, default=None,
                    help="instead of --islands: M = chips // this, per cluster size")  # fmt: skip
+    p.add_argument("--min-quorum", type=_counts, default=None,
+                   help="Decoupled DiLoCo's quorum K, comma-separated (each K up to M is run "
+                   f"with every M; default {SimConfig.min_quorum})")  # fmt: skip
+    p.add_argument("--plan", type=float, nargs="?", const=100 * DEFAULT_TOLERANCE, default=None,
+                   metavar="POINTS", help="recommend M and K at each cluster size: the fewest "
+                   "islands within POINTS of the best goodput (default "
+                   f"{100 * DEFAULT_TOLERANCE:g}), then that M's best quorum "
+                   "(ds_diloco/simulate/plan.py)")  # fmt: skip
     p.add_argument("--days", type=float, default=SimConfig.days, help="simulated days")
     p.add_argument("--seed", type=int, default=SimConfig.seed)
     p.add_argument("--systems", default=",".join(SYSTEMS),
@@ -101,6 +110,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     # Checked here against the largest size: the fewest islands asked for (M per size
     # comes from --islands or --chips-per-island, not from this default).
     islands = min(args.islands) if getattr(args, "islands", None) else 1
+    quorums = getattr(args, "min_quorum", None)
+    if quorums is not None and not quorums:
+        raise ValueError("--min-quorum: give at least one quorum K (1,2,...)")
+    if quorums:
+        over["min_quorum"] = min(quorums)
     return SimConfig(chips=max(args.chips), days=args.days, seed=args.seed, systems=systems,
                      islands=islands, **over)  # fmt: skip
 
@@ -171,6 +185,15 @@ def breakdown(result: Result, requested: list[int], slice_chips: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def plans(result: Result, requested: list[int], slice_chips: int, tolerance: float) -> list[Plan]:
+    """``plan.recommend`` at every cluster size, from that size's rows."""
+    out = []
+    for n in sorted({_nominal(r.chips, requested, slice_chips) for r in result.rows}):
+        rows = [r for r in result.rows if _nominal(r.chips, requested, slice_chips) == n]
+        out.append(recommend(rows, tolerance))
+    return out
+
+
 def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> None:
     import matplotlib
 
@@ -213,10 +236,19 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+    tolerance = None if args.plan is None else args.plan / 100
+    if tolerance is not None and not 0 <= tolerance < 1:
+        raise ValueError(f"--plan: POINTS must be in [0, 100), got {args.plan:g}")
     islands = args.islands or (list(PAPER_ISLANDS) if args.chips_per_island is None else [])
     try:
         cfg = config_from_args(args)
-        tasks = sweep_configs(cfg, args.chips, islands, chips_per_island=args.chips_per_island)
+        if tolerance is not None and "diloco" not in cfg.systems:
+            raise ValueError("--plan: recommends Decoupled DiLoCo settings; --systems must "
+                             "include diloco")  # fmt: skip
+        tasks = sweep_configs(
+            cfg, args.chips, islands, chips_per_island=args.chips_per_island,
+            quorums=args.min_quorum or (),
+        )  # fmt: skip
     except ValueError as e:
         raise flag_names(e) from None
     result = run_configs(tasks, jobs=args.jobs)
@@ -224,6 +256,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         {"chips": n, "islands": m, "goodput": g} for (n, m), g in PUBLISHED_DILOCO.items()
     ]
     doc = {**result.to_dict(), "published": {**PUBLISHED, "diloco": published_diloco}}
+    planned = [] if tolerance is None else plans(result, args.chips, cfg.chips_per_slice, tolerance)
+    if planned:
+        doc["plan"] = [p.to_dict() for p in planned]
     if args.json == "-":
         json.dump(doc, sys.stdout, indent=1)
         print()
@@ -231,6 +266,11 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         print(tables(result, args.chips, cfg.chips_per_slice))
         if args.breakdown or len(args.chips) == 1:
             print(breakdown(result, args.chips, cfg.chips_per_slice))
+        for p in planned:
+            print(f"plan at {_short(_nominal(p.chips, args.chips, cfg.chips_per_slice))} chips: "
+                  f"{p.reason}")  # fmt: skip
+        if planned:
+            print()
         print(f"{cfg.days:g} simulated days, seed {cfg.seed}, {result.wall_s:.1f}s wall")
     if args.json and args.json != "-":
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -57,10 +57,18 @@ class SystemResult:
     """Shares of the allocated chip-time by ``CHIP_TIME`` category; they add up to 1 and
     ``chip_time["useful"]`` is the goodput. Each is measured on its own, not as a rest."""
 
+    min_quorum: int = 1
+    """K, Decoupled DiLoCo's minimum quorum (1 for the data-parallel systems)."""
+
     @property
     def label(self) -> str:
         base = LABELS[self.system]
-        return f"{base}, M={self.islands}" if self.system == "diloco" else base
+        if self.system != "diloco":
+            return base
+        # K = 1 is the paper's setting: named only when another was simulated.
+        return f"{base}, M={self.islands}" + (
+            f", K={self.min_quorum}" if self.min_quorum != 1 else ""
+        )
 
     def __post_init__(self) -> None:
         unknown = set(self.chip_time) - set(CHIP_TIME)

@@ -55,16 +55,18 @@ def sweep(
     islands: Iterable[int] = (),
     *,
     chips_per_island: int | None = None,
+    quorums: Iterable[int] = (),
     jobs: int = 1,
 ) -> Result:
     """Every cluster size in ``chips``: the baselines once, DiLoCo once per M in ``islands``
-    (or M = chips // ``chips_per_island``; ``cfg.islands`` when neither is given), each size
-    on its own trace drawn with ``cfg.seed``, so every M at one size sees the same failures.
+    (or M = chips // ``chips_per_island``; ``cfg.islands`` when neither is given) and per
+    quorum K in ``quorums`` up to M (default: ``cfg.min_quorum``), each size on its own
+    trace drawn with ``cfg.seed``, so every M and K at one size sees the same failures.
 
     ``jobs`` > 1 runs the pieces in that many processes; results do not depend on it.
     Every piece is checked (``sweep_configs``) before any is run.
     """
-    tasks = sweep_configs(cfg, chips, islands, chips_per_island=chips_per_island)
+    tasks = sweep_configs(cfg, chips, islands, chips_per_island=chips_per_island, quorums=quorums)
     return run_configs(tasks, jobs=jobs)
 
 
@@ -74,12 +76,17 @@ def sweep_configs(
     islands: Iterable[int] = (),
     *,
     chips_per_island: int | None = None,
+    quorums: Iterable[int] = (),
 ) -> list[SimConfig]:
-    """The pieces ``sweep`` runs, each a checked ``SimConfig`` (ValueError: a size or M it
-    cannot run, or one over the work caps); nothing is simulated."""
+    """The pieces ``sweep`` runs, each a checked ``SimConfig`` (ValueError: a size, M or K
+    it cannot run, or one over the work caps); nothing is simulated. A quorum over M is
+    not run for that M (K <= M); M with no quorum of ``quorums`` at most M is an error."""
     if chips_per_island is not None and chips_per_island < 1:
         raise ValueError(f"chips_per_island must be >= 1, got {chips_per_island}")
     islands = tuple(islands)
+    quorums = tuple(dict.fromkeys(quorums)) or (cfg.min_quorum,)
+    if min(quorums) < 1:
+        raise ValueError(f"quorums must be >= 1, got {min(quorums)}")
     tasks: list[SimConfig] = []
     for n in chips:
         base = tuple(s for s in cfg.systems if s != "diloco")
@@ -91,7 +98,14 @@ def sweep_configs(
                 if chips_per_island is not None
                 else islands or (cfg.islands,)
             )
-            tasks += [cfg.replace(chips=n, islands=m, systems=("diloco",)) for m in ms]
+            for m in ms:
+                ks = [k for k in quorums if k <= m]
+                if not ks:
+                    raise ValueError(f"no quorum to simulate with M={m} islands at {n} chips: "
+                                     f"every K asked for ({list(quorums)}) is over M")  # fmt: skip
+                tasks += [
+                    cfg.replace(chips=n, islands=m, min_quorum=k, systems=("diloco",)) for k in ks
+                ]
     return tasks
 
 
