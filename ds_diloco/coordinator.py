@@ -6,7 +6,8 @@ outer optimizer state, and the contributions of the open round. Uploads are
 one rank's ZeRO-3 slices; an island's contribution counts once all its ranks'
 slices for the same (fragment, base version, step) are in with agreeing
 counters. Rounds close per :func:`round_policy.decide`; merging uses
-:mod:`merge` and :mod:`outer_optim`.
+:mod:`merge` and :mod:`outer_optim`; one fragment's served versions and contribution
+rows are :class:`fragment_state.FragmentState`.
 
 Thread model: every public method may be called from any thread (the HTTP
 server calls them from an executor). ``_lock`` guards bookkeeping and is never
@@ -22,20 +23,18 @@ go back into the round, which closes again after a backoff (``Coordinator.poll``
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
 import secrets
 import threading
 import time
-import weakref
 
-import numpy as np
 import torch
 
 from ds_diloco import compress, wire
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
+from ds_diloco.fragment_state import Contribution, FragmentState
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.island_table import (
     IslandRecord,
@@ -44,7 +43,6 @@ from ds_diloco.island_table import (
     merges_on_disk,
 )
 from ds_diloco.merge import (
-    fragment_layout,
     merge_fragment,
     norm_outlier,
     sq_norm,
@@ -77,66 +75,6 @@ class CoordinatorError(Exception):
         self.status = status
 
 
-class _RWLock:
-    """Many readers (downloads, saves) or one writer (a merge's outer step)."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    def acquire_read(self):
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self):
-        with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
-
-    def acquire_write(self):
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-
-    def release_write(self):
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
-
-
-@dataclasses.dataclass
-class _Contribution:
-    island: str
-    world_size: int
-    base_version: int
-    step: int
-    tokens: int
-    steps: int
-    row: int
-    sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
-    incarnation: int = 1
-    final: bool = False
-    """From the island's final flush: merged with the next round, never closes one."""
-    ranks: set[int] = dataclasses.field(default_factory=set)
-    complete_at: float | None = None
-    failed: int = 0
-    """Failed merges it was in (it went back into the round after each)."""
-
-    def counters(self) -> tuple[int, int, int, int, int]:
-        return (self.world_size, self.base_version, self.tokens, self.steps, int(self.final))
-
-    def norm(self) -> float:
-        """L2 norm of the pseudo-gradient (over the ranks' slices received so far)."""
-        return math.sqrt(float(self.sq_norms.sum()))
-
-
 def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
     """Refuse an upload or leave from a process an island's later registration superseded."""
     if incarnation > isl.registrations:  # not superseded: the process must not stop
@@ -160,101 +98,6 @@ MAX_COUNTER = 2**53
 integers a float64 holds exactly. Larger ones overflowed the token weight (tokens^2 /
 steps = inf: the round's merge failed and every island's contribution in it was lost),
 the step-time EMA and /metrics."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Served:
-    """A published version: its values are never written again, so a download's body
-    aliases them (no copy) while a merge computes the next version in another tensor."""
-
-    version: int
-    values: torch.Tensor
-    data: np.ndarray
-    """``values`` as an array: download bodies are cut from it and keep it alive, so it
-    is collected once no body of this version is left (see ``_FragmentState.publish``)."""
-    bodies: dict[tuple[int, int], wire.Body] = dataclasses.field(default_factory=dict)
-    """Encoded downloads of this version by (world_size, rank): every island of the same
-    world size gets the same slices, so each pair is encoded once per version."""
-
-
-class _FragmentState:
-    def __init__(
-        self,
-        fragment: Fragment,
-        values: torch.Tensor,
-        optimizer,
-        plain_patterns,
-        norm_window,
-        version: int = 0,
-    ):
-        self.fragment = fragment
-        self.segments, self.rda = fragment_layout(fragment, plain_patterns)
-        self.optimizer = optimizer
-        self.spare: list[torch.Tensor] = []
-        self.publish(version, values)  # once: a second publication would recycle ``values``
-        self.lock = _RWLock()
-        self.rows = torch.zeros(0, fragment.numel)
-        self.free_rows: list[int] = []
-        self.assembling: dict[str, _Contribution] = {}
-        self.complete: dict[str, _Contribution] = {}
-        self.merging = False
-        self.merges = 0
-        self.merges_at = version  # the version ``merges`` counts up to (published first)
-        self.merge_failures = 0
-        self.failures_in_a_row = 0
-        self.retry_at: float | None = None  # no merge before (clock time), after a failure
-        self.last_failure: dict = {}
-        self.saved_version = -1
-        # island -> {"incarnation", "step", "merges", "tokens", "steps"}: the last merged
-        # contribution's registration and step, and the island's merges into this fragment.
-        # Written with the fragment (durable with the merge): after a crash, an upload
-        # merged since the table's last save is still a replay, and its counts are kept.
-        self.merged_by: dict[str, dict] = {}
-        self.last_merge: dict = {}
-        self.grad = torch.empty(fragment.numel)
-        # When the rounds that made recent versions got their first contribution (clock
-        # time): a stale upload is told how long after that it came, i.e. how much earlier
-        # its island has to send to be in the same round (islands shift their send phase).
-        self.opened_at: dict[int, float] = {}
-        # Per-inner-step norms of the last complete contributions it took (NormGuard).
-        self.recent_norms: collections.deque[float] = collections.deque(maxlen=norm_window)
-
-    def publish(self, version: int, values: torch.Tensor) -> None:
-        """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
-        data = values.numpy()
-        # Once this version is replaced and no body of it is left anywhere (the array
-        # is collected), its buffer takes a later merge's values: no new pages to fault in.
-        weakref.finalize(data, self._recycle, values)
-        # ``served`` first: whoever sees the new ``version`` finds its values served.
-        self.served = _Served(version, values, data)
-        self.values, self.version = values, version
-
-    def _recycle(self, values: torch.Tensor) -> None:
-        if values is self.served.values:  # published again (it must never be written)
-            return
-        if not self.spare:  # one is all a merge at a time needs: hold no more memory
-            self.spare.append(values)
-
-    def copy_values(self) -> torch.Tensor:
-        """A copy of the served values for a merge to step, in a recycled buffer if any."""
-        try:
-            buf = self.spare.pop()
-        except IndexError:
-            return self.values.clone()
-        return buf.copy_(self.values)
-
-    def take_row(self) -> int:
-        if not self.free_rows:  # grow: contributions of a new island (rare)
-            old = self.rows
-            cap = max(2, 2 * old.shape[0])
-            self.rows = torch.zeros(cap, old.shape[1])
-            self.rows[: old.shape[0]] = old
-            self.free_rows = list(range(cap - 1, old.shape[0] - 1, -1))
-        return self.free_rows.pop()
-
-    def give_row(self, row: int) -> None:
-        self.free_rows.append(row)
-        self.free_rows.sort(reverse=True)  # lowest rows first keeps merges reading few rows
 
 
 class Coordinator:
@@ -289,7 +132,7 @@ class Coordinator:
     # ----------------------------------------------------------------- set-up
     def _build_fragments(self, specs: list[ParamSpec]) -> None:
         self.plan = FragmentPlan.build(specs, self.cfg.num_fragments, self.cfg.fragmentation)
-        self._frags: list[_FragmentState] = []
+        self._frags: list[FragmentState] = []
 
     def _init_from_model(self) -> None:
         from ds_diloco.hf_model import initial_params
@@ -307,9 +150,9 @@ class Coordinator:
 
     def _new_fragment_state(
         self, frag: Fragment, values: torch.Tensor, version: int = 0
-    ) -> _FragmentState:
+    ) -> FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
-        return _FragmentState(
+        return FragmentState(
             frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version
         )
 
@@ -593,7 +436,7 @@ class Coordinator:
                     fs.give_row(c.row)
                     self._count_dropped(fs, c)
 
-    def _count_dropped(self, fs: _FragmentState, c: _Contribution) -> None:
+    def _count_dropped(self, fs: FragmentState, c: Contribution) -> None:
         isl = self._islands.get(c.island)
         if isl is not None:
             isl.count_dropped(fs.fragment.index, c.step, c.steps)
@@ -694,7 +537,7 @@ class Coordinator:
                 if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
                     fs.give_row(cur.row)
                     isl.count_dropped(h.fragment, cur.step, cur.steps)
-                cur = _Contribution(
+                cur = Contribution(
                     island=h.island,
                     world_size=h.world_size,
                     base_version=h.base_version,
@@ -737,10 +580,10 @@ class Coordinator:
         return (h.world_size, h.base_version, h.tokens, h.steps, h.final)
 
     @staticmethod
-    def _reply(status: str, fs: _FragmentState, reason: str, **extra) -> dict:
+    def _reply(status: str, fs: FragmentState, reason: str, **extra) -> dict:
         return {"status": status, "reason": reason, "version": fs.version, **extra}
 
-    def _weight(self, c: wire.UploadHeader | _Contribution, version: int) -> tuple[float, str]:
+    def _weight(self, c: wire.UploadHeader | Contribution, version: int) -> tuple[float, str]:
         """Token weight with the staleness policy applied, against ``version``."""
         if c.tokens == 0:
             return 0.0, "no tokens trained since the last sync"
@@ -748,13 +591,13 @@ class Coordinator:
             token_weight(c.tokens, c.steps), version - c.base_version, self.cfg.staleness
         )
 
-    def _fragment(self, index: int) -> _FragmentState:
+    def _fragment(self, index: int) -> FragmentState:
         if not 0 <= index < len(self._frags):
             raise CoordinatorError(404, f"unknown fragment {index}: there are {len(self._frags)}")
         return self._frags[index]
 
     @staticmethod
-    def _ranges(fs: _FragmentState, world_size: int, rank: int):
+    def _ranges(fs: FragmentState, world_size: int, rank: int):
         return [shard_range(s.numel, world_size, rank) for s in fs.segments]
 
     def _decompress(self, h: wire.UploadHeader, frag: Fragment, tensors, meta) -> dict:
@@ -816,7 +659,7 @@ class Coordinator:
                 )
 
     @staticmethod
-    def _check_values(fs: _FragmentState, slices, h) -> torch.Tensor:
+    def _check_values(fs: FragmentState, slices, h) -> torch.Tensor:
         """Squared norms per tensor slice; a non-finite sum means NaN/Inf somewhere."""
         sq = torch.empty(len(fs.segments), dtype=torch.float64)
         for i, seg in enumerate(fs.segments):
@@ -903,7 +746,7 @@ class Coordinator:
             expected=self._expected(fs, now) if self.cfg.policy.wait_expected_steps else (),
         )
 
-    def _expected(self, fs: _FragmentState, now: float) -> tuple[float, ...]:
+    def _expected(self, fs: FragmentState, now: float) -> tuple[float, ...]:
         """When each live island not yet in ``fs``'s round should upload it: its last
         upload of the fragment + H steps, timed from its latest step and step time."""
         out = []
@@ -933,7 +776,7 @@ class Coordinator:
         return held or decide(now, self.round_state(index, now), self.cfg.policy)
 
     @staticmethod
-    def _held(fs: _FragmentState, now: float) -> Decision | None:
+    def _held(fs: FragmentState, now: float) -> Decision | None:
         """Why ``fs``'s round may not close now, whatever the policy says; None: it may."""
         if fs.merging:
             return Decision(False, None, "merge in progress")
@@ -1127,7 +970,7 @@ class Coordinator:
             sync,
         )
 
-    def _copy_outer_state(self, fs: _FragmentState) -> tuple[dict, list[torch.Tensor]]:
+    def _copy_outer_state(self, fs: FragmentState) -> tuple[dict, list[torch.Tensor]]:
         """A copy of ``fs``'s outer optimizer state, for a failed merge to put back, in
         borrowed scratch buffers (no new pages per merge); and the buffers, to give back."""
         state, lent = {}, []
@@ -1144,7 +987,7 @@ class Coordinator:
         return state, lent
 
     def _make_durable(
-        self, fs: _FragmentState, values: torch.Tensor, version: int, merged_by: dict
+        self, fs: FragmentState, values: torch.Tensor, version: int, merged_by: dict
     ) -> None:
         """Write the merged fragment (values + outer optimizer state) before it is served.
 

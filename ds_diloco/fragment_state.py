@@ -1,0 +1,178 @@
+"""One fragment at the coordinator: its served versions, outer state lock, and the rows
+of the contributions in its open round.
+
+Served values are never written in place: a merge steps a copy (``copy_values``, in a
+recycled buffer) and publishes it, so downloads read a version's values without a lock
+and without a copy. A contribution's slices are copied into a row of ``rows`` as its
+ranks' uploads come in; rows are reused once its round is merged or it is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from ds_diloco import wire
+from ds_diloco.fragments import Fragment
+from ds_diloco.merge import fragment_layout
+
+
+class RWLock:
+    """Many readers (downloads, saves) or one writer (a merge's outer step)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    def acquire_read(self):
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self):
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self):
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+
+    def release_write(self):
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class Contribution:
+    island: str
+    world_size: int
+    base_version: int
+    step: int
+    tokens: int
+    steps: int
+    row: int
+    sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
+    incarnation: int = 1
+    final: bool = False
+    """From the island's final flush: merged with the next round, never closes one."""
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    complete_at: float | None = None
+    failed: int = 0
+    """Failed merges it was in (it went back into the round after each)."""
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        return (self.world_size, self.base_version, self.tokens, self.steps, int(self.final))
+
+    def norm(self) -> float:
+        """L2 norm of the pseudo-gradient (over the ranks' slices received so far)."""
+        return math.sqrt(float(self.sq_norms.sum()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A published version: its values are never written again, so a download's body
+    aliases them (no copy) while a merge computes the next version in another tensor."""
+
+    version: int
+    values: torch.Tensor
+    data: np.ndarray
+    """``values`` as an array: download bodies are cut from it and keep it alive, so it
+    is collected once no body of this version is left (see ``FragmentState.publish``)."""
+    bodies: dict[tuple[int, int], wire.Body] = dataclasses.field(default_factory=dict)
+    """Encoded downloads of this version by (world_size, rank): every island of the same
+    world size gets the same slices, so each pair is encoded once per version."""
+
+
+class FragmentState:
+    def __init__(
+        self,
+        fragment: Fragment,
+        values: torch.Tensor,
+        optimizer,
+        plain_patterns,
+        norm_window,
+        version: int = 0,
+    ):
+        self.fragment = fragment
+        self.segments, self.rda = fragment_layout(fragment, plain_patterns)
+        self.optimizer = optimizer
+        self.spare: list[torch.Tensor] = []
+        self.publish(version, values)  # once: a second publication would recycle ``values``
+        self.lock = RWLock()
+        self.rows = torch.zeros(0, fragment.numel)
+        self.free_rows: list[int] = []
+        self.assembling: dict[str, Contribution] = {}
+        self.complete: dict[str, Contribution] = {}
+        self.merging = False
+        self.merges = 0
+        self.merges_at = version  # the version ``merges`` counts up to (published first)
+        self.merge_failures = 0
+        self.failures_in_a_row = 0
+        self.retry_at: float | None = None  # no merge before (clock time), after a failure
+        self.last_failure: dict = {}
+        self.saved_version = -1
+        # island -> {"incarnation", "step", "merges", "tokens", "steps"}: the last merged
+        # contribution's registration and step, and the island's merges into this fragment.
+        # Written with the fragment (durable with the merge): after a crash, an upload
+        # merged since the table's last save is still a replay, and its counts are kept.
+        self.merged_by: dict[str, dict] = {}
+        self.last_merge: dict = {}
+        self.grad = torch.empty(fragment.numel)
+        # When the rounds that made recent versions got their first contribution (clock
+        # time): a stale upload is told how long after that it came, i.e. how much earlier
+        # its island has to send to be in the same round (islands shift their send phase).
+        self.opened_at: dict[int, float] = {}
+        # Per-inner-step norms of the last complete contributions it took (NormGuard).
+        self.recent_norms: collections.deque[float] = collections.deque(maxlen=norm_window)
+
+    def publish(self, version: int, values: torch.Tensor) -> None:
+        """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
+        data = values.numpy()
+        # Once this version is replaced and no body of it is left anywhere (the array
+        # is collected), its buffer takes a later merge's values: no new pages to fault in.
+        weakref.finalize(data, self._recycle, values)
+        # ``served`` first: whoever sees the new ``version`` finds its values served.
+        self.served = Served(version, values, data)
+        self.values, self.version = values, version
+
+    def _recycle(self, values: torch.Tensor) -> None:
+        if values is self.served.values:  # published again (it must never be written)
+            return
+        if not self.spare:  # one is all a merge at a time needs: hold no more memory
+            self.spare.append(values)
+
+    def copy_values(self) -> torch.Tensor:
+        """A copy of the served values for a merge to step, in a recycled buffer if any."""
+        try:
+            buf = self.spare.pop()
+        except IndexError:
+            return self.values.clone()
+        return buf.copy_(self.values)
+
+    def take_row(self) -> int:
+        if not self.free_rows:  # grow: contributions of a new island (rare)
+            old = self.rows
+            cap = max(2, 2 * old.shape[0])
+            self.rows = torch.zeros(cap, old.shape[1])
+            self.rows[: old.shape[0]] = old
+            self.free_rows = list(range(cap - 1, old.shape[0] - 1, -1))
+        return self.free_rows.pop()
+
+    def give_row(self, row: int) -> None:
+        self.free_rows.append(row)
+        self.free_rows.sort(reverse=True)  # lowest rows first keeps merges reading few rows
