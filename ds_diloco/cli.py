@@ -104,6 +104,12 @@ def _simulate(args) -> int:
     return simulate_main(args)
 
 
+def _status(args) -> int:
+    from ds_diloco.status_view import main as status_main
+
+    return status_main(args)
+
+
 def _export(args) -> int:
     from ds_diloco.export import export
     from ds_diloco.hub import push_folder, resolve_token
@@ -210,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="output folder (from_pretrained loads it)")
     g.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="saved dtype")
     g.set_defaults(fn=_convert_gguf)
+
+    st = sub.add_parser("status", help="a running coordinator's islands, versions, open "
+                        "rounds and last merge failure (GET /v1/status, as text)")  # fmt: skip
+    st.add_argument("url", metavar="URL", help="the coordinator, http(s)://host:port")
+    st.add_argument("--token", default=None, help="bearer token (default: $DS_DILOCO_TOKEN)")
+    st.add_argument("--json", action="store_true", help="print the status document as it came")
+    st.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                    help="print it again every SECONDS until Ctrl-C")  # fmt: skip
+    st.set_defaults(fn=_status)
 
     from ds_diloco.simulate import add_arguments as add_simulate_arguments
 

@@ -1,0 +1,134 @@
+"""``ds-diloco status URL``: a running coordinator's ``/v1/status``, as an operator reads it.
+
+The coordinator's JSON has everything (islands, versions, open rounds, the last merge
+and merge failure, goodput); this turns it into a few lines and a table, the view a
+multi-node run has no other way to show (``ds-diloco run`` prints its own progress).
+``render`` is a pure function of the status document, so tests feed it real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from ds_diloco.config import TOKEN_ENV
+
+
+class StatusError(ValueError):
+    """The answer is not a coordinator's status document."""
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _range(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def _state(isl: dict) -> str:
+    if isl["left"]:
+        return "left"
+    if isl["finishing"]:
+        return "finishing"  # final flush sent: no round waits for it
+    return "live" if isl["live"] else "silent"  # lease lapsed: rounds no longer wait
+
+
+def render(st: dict, url: str = "") -> str:
+    """The status document ``st`` (``GET /v1/status``) as text. StatusError if it lacks
+    what a coordinator sends."""
+    try:
+        return _render(st, url)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StatusError(f"not a coordinator status document ({type(e).__name__}: {e})") from None
+
+
+def _render(st: dict, url: str) -> str:
+    versions, merges, failures = st["versions"], st["merges"], st["merge_failures"]
+    run = st["run"]
+    head = f"coordinator {url}  " if url else ""
+    quorums = sorted(run["by_quorum"].items(), key=_int_key)
+    sizes = ", ".join(f"{k}: {v}" for k, v in quorums) or "-"
+    out = [
+        f"{head}fragments {st['num_fragments']}  versions {_range(versions)}  "
+        f"merges {sum(merges)} ({_range(merges)} per fragment, {sum(failures)} failed)",
+        f"goodput {_pct(run['goodput'])}  uptime {_pct(run['uptime'])} "
+        f"({run['uptime_window_s']:g} s windows)  merges by islands in them: {sizes}",
+    ]
+    islands = st["islands"]
+    if islands:
+        cols = ("island", "ranks", "state", "step", "step time", "merged", "dropped",
+                "steps merged", "steps dropped", "tokens merged", "last seen")  # fmt: skip
+        rows = [
+            (name, str(i["world_size"]), _state(i), str(i["last_step"]),
+             "-" if i["step_time_s"] is None else f"{i['step_time_s']:.3f} s",
+             str(i["merged"]), str(i["dropped"]), str(i["steps_merged"]),
+             str(i["steps_dropped"]), f"{i['tokens_merged']:,}", f"{i['last_seen_s']:.1f} s ago")
+            for name, i in sorted(islands.items())
+        ]  # fmt: skip
+        widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(cols)]
+        out.append("")
+        for r in (cols, *rows):  # names left, numbers right
+            out.append("  ".join(
+                v.ljust(w) if k in (0, 2) else v.rjust(w) for k, (v, w) in enumerate(zip(r, widths))
+            ).rstrip())  # fmt: skip
+    else:
+        out.append("no island has registered")
+    pending = st["pending"]
+    if pending:
+        out.append("")
+        for frag, p in sorted(pending.items(), key=_int_key):
+            parts = [f"complete: {', '.join(p['complete'])}"] if p["complete"] else []
+            parts += [
+                f"{name} has ranks {ranks}" for name, ranks in sorted(p["assembling"].items())
+            ]
+            out.append(f"round open, fragment {frag}: " + "; ".join(parts))
+    failures_now = st["last_merge_failure"]
+    for frag, f in sorted(failures_now.items(), key=_int_key):
+        out.append(f"last merge failure, fragment {frag} (version {f['version']}, "
+                   f"{f['in_a_row']} in a row): {f['error']}")  # fmt: skip
+    return "\n".join(out)
+
+
+def _int_key(item) -> int:
+    return int(item[0])
+
+
+def main(args) -> int:
+    """``ds-diloco status``: print the view (or the JSON) once, or every ``--watch`` seconds
+    (an unanswered poll is a line, and the watch goes on)."""
+    import os
+
+    from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
+
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ValueError(f"no bearer token for {args.url}: pass --token or set ${TOKEN_ENV}")
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
+    client = CoordinatorClient(args.url, token, retries=1, timeout_s=10)
+    try:
+        while True:
+            try:
+                st = client.status()
+                text = json.dumps(st, indent=1) if args.json else render(st, client.url)
+            except RefusedError as e:  # a wrong token: no use asking again
+                raise ValueError(f"{client.url} refused: {e.message}") from None
+            except (*TRANSPORT_ERRORS, StatusError) as e:
+                problem = f"no status from {client.url}: {e}"
+                if args.watch is None:
+                    raise ValueError(problem) from None
+                text = problem
+            if args.watch is not None:
+                print(time.strftime("--- %Y-%m-%d %H:%M:%S"))
+            print(text)
+            sys.stdout.flush()
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:  # the way a watch ends
+        return 0
+    finally:
+        client.close()

@@ -1,0 +1,109 @@
+"""``ds-diloco status URL`` against a real coordinator on a real port, fed real uploads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_diloco import wire
+from ds_diloco.cli import main as cli_main
+from ds_diloco.client import CoordinatorClient, rank_slices
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.fragments import FragmentPlan
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+from ds_diloco.status_view import StatusError, render
+
+TOKEN = "status-token"
+
+
+@pytest.fixture
+def server(tiny_config_path, tmp_path):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "state"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1),
+        token=TOKEN,
+    )  # fmt: skip
+    srv = ServerThread(cfg)
+    yield srv
+    srv.stop()
+
+
+def _upload(client, plan, island, world_size, rank, frag, incarnation, seed):
+    g = torch.Generator().manual_seed(seed)
+    delta = {p.name: torch.randn(p.numel, generator=g) * 1e-3 for p in frag.params}
+    header = wire.UploadHeader(
+        island=island, rank=rank, world_size=world_size, fragment=frag.index, base_version=0,
+        step=2, tokens=512, steps=2, incarnation=incarnation,
+    )  # fmt: skip
+    reply = client.upload(header, rank_slices(frag, delta, world_size, rank))
+    assert reply["status"] == "accepted", reply
+
+
+def _status(capsys, *argv) -> tuple[int, str, str]:
+    code = cli_main(["status", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_status_shows_islands_open_rounds_and_merges(server, capsys):
+    client = CoordinatorClient(server.url, TOKEN, retries=0)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    inc = {
+        i: client.register(i, ws, plan.signature)["incarnation"] for i, ws in (("a", 1), ("b", 2))
+    }
+    for frag in plan.fragments:  # a: complete everywhere; b: rank 0 of fragment 0 only
+        _upload(client, plan, "a", 1, 0, frag, inc["a"], seed=frag.index)
+    _upload(client, plan, "b", 2, 0, plan.fragments[0], inc["b"], seed=10)
+
+    code, text, _ = _status(capsys, server.url, "--token", TOKEN)
+    assert code == 0, text
+    lines = text.splitlines()
+    assert lines[0] == (f"coordinator {server.url}  fragments 2  versions 0  merges 0 "
+                        "(0 per fragment, 0 failed)")  # fmt: skip
+    row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
+    assert row["a"][1:4] == ["1", "live", "2"] and row["b"][1:3] == ["2", "live"]
+    assert "round open, fragment 0: complete: a; b has ranks [0]" in lines
+    assert "round open, fragment 1: complete: a" in lines
+
+    # b completes: with K = 2 both fragments merge, and the view follows.
+    _upload(client, plan, "b", 2, 1, plan.fragments[0], inc["b"], seed=11)
+    for r in (0, 1):
+        _upload(client, plan, "b", 2, r, plan.fragments[1], inc["b"], seed=12 + r)
+    for _ in range(200):
+        if client.versions() == [1, 1]:
+            break
+        server.coord.poll(0), server.coord.poll(1)  # the round loop does it too
+    assert client.versions() == [1, 1]
+    client.leave("a", inc["a"])
+    code, text, _ = _status(capsys, server.url, "--token", TOKEN)
+    assert code == 0
+    lines = text.splitlines()
+    assert "versions 1  merges 2 (1 per fragment, 0 failed)" in lines[0]
+    assert "merges by islands in them: 2: 2" in lines[1]
+    row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
+    assert row["a"][2] == "left" and row["b"][2] == "live"
+    assert row["a"][5] == "2" and row["b"][5] == "2"  # contributions merged
+    assert not any(ln.startswith("round open") for ln in lines)
+
+    code, raw, _ = _status(capsys, server.url, "--token", TOKEN, "--json")
+    assert code == 0 and json.loads(raw)["versions"] == [1, 1]
+
+
+def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, monkeypatch):
+    monkeypatch.delenv("DS_DILOCO_TOKEN", raising=False)
+    code, _, err = _status(capsys, server.url)
+    assert code == 2 and "no bearer token" in err
+    code, _, err = _status(capsys, server.url, "--token", "wrong")
+    assert code == 2 and f"{server.url} refused: wrong bearer token" in err
+    code, _, err = _status(capsys, "http://127.0.0.1:9", "--token", TOKEN)  # nothing listens
+    assert code == 2 and "no status from http://127.0.0.1:9" in err
+    code, _, err = _status(capsys, server.url, "--token", TOKEN, "--watch", "0")
+    assert code == 2 and "--watch must be > 0" in err
+
+
+def test_render_refuses_a_document_that_is_not_a_status():
+    with pytest.raises(StatusError, match="not a coordinator status document"):
+        render({"versions": [0]})
