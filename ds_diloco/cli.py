@@ -220,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="a running coordinator's islands, versions, open "
                         "rounds and last merge failure (GET /v1/status, as text)")  # fmt: skip
     st.add_argument("url", metavar="URL", help="the coordinator, http(s)://host:port")
-    st.add_argument("--token", default=None, help="bearer token (default: $DS_DILOCO_TOKEN)")
+    tok = st.add_mutually_exclusive_group()
+    tok.add_argument("--token", default=None, help="bearer token (default: $DS_DILOCO_TOKEN)")
+    tok.add_argument("--token-file", default=None, metavar="FILE",
+                     help="read it from FILE: the coordinator's state_dir/token, written "
+                     "by `ds-diloco run` and by a coordinator without a token")  # fmt: skip
     st.add_argument("--json", action="store_true", help="print the status document as it came")
     st.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="print it again every SECONDS until Ctrl-C")  # fmt: skip

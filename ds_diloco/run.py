@@ -42,6 +42,7 @@ import torch
 from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
+from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
 
 PROGRESS_EVERY_S = 5.0
@@ -162,6 +163,13 @@ def local_slots(spec) -> list[int] | None:
     return hosts["localhost"] if list(hosts) == ["localhost"] else None
 
 
+def _read_token(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
 class LocalRun:
     def __init__(self, cfg: RunConfig, fresh: bool = True):
         self.cfg = cfg
@@ -177,7 +185,18 @@ class LocalRun:
                     shutil.rmtree(path, ignore_errors=True)
             (self.workdir / "summary.json").unlink(missing_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.token = cfg.coordinator.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+        # A token of the run's own making is written as state_dir/token (0600, as a
+        # standalone coordinator writes its own) once the coordinator starts, for
+        # `ds-diloco status --token-file`; a resumed run keeps it. One given (the run
+        # file, the environment) is not written anywhere.
+        self.token_file: Path | None = None
+        given = cfg.coordinator.token or os.environ.get(TOKEN_ENV)
+        if given:
+            self.token = given
+        else:
+            self.token_file = Path(cfg.coordinator.state_dir) / "token"
+            kept = None if fresh else _read_token(self.token_file)
+            self.token = kept or secrets.token_urlsafe(24)
         self.env = _env(self.token, sum(i.world_size for i in cfg.islands))
         self.coordinator: subprocess.Popen | None = None
         self.islands: dict[str, subprocess.Popen] = {}
@@ -217,6 +236,8 @@ class LocalRun:
         coord.pop("token")
         path = self.workdir / "coordinator.json"
         path.write_text(json.dumps(coord, indent=1))
+        if self.token_file is not None and _read_token(self.token_file) != self.token:
+            atomic_write(self.token_file, self.token.encode())  # mode 0600 (mkstemp)
         # Appended: a restart (or --resume) must not erase why the last one died.
         log = (self.workdir / "coordinator.log").open("a")
         log.write(f"--- coordinator started {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
@@ -772,6 +793,8 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
         lr.start_islands()
     client = lr.wait_for_coordinator()
     print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
+    if lr.token_file is not None:
+        print(f"  watch it: ds-diloco status {lr.url} --token-file {lr.token_file}", flush=True)
     board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
     exports = PeriodicExport(cfg, lr)
     if point is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from ds_diloco.config import TOKEN_ENV
 
@@ -96,6 +97,19 @@ def _int_key(item) -> int:
     return int(item[0])
 
 
+def _token_file(path: str | None) -> str | None:
+    """The token in ``path`` (a run's or a standalone coordinator's ``state_dir/token``)."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--token-file {path}: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"--token-file {path}: the file is empty")
+    return token
+
+
 def main(args) -> int:
     """``ds-diloco status``: print the view (or the JSON) once, or every ``--watch`` seconds
     (an unanswered poll is a line, and the watch goes on)."""
@@ -103,9 +117,10 @@ def main(args) -> int:
 
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
 
-    token = args.token or os.environ.get(TOKEN_ENV)
+    token = args.token or _token_file(args.token_file) or os.environ.get(TOKEN_ENV)
     if not token:
-        raise ValueError(f"no bearer token for {args.url}: pass --token or set ${TOKEN_ENV}")
+        raise ValueError(f"no bearer token for {args.url}: pass --token or --token-file, "
+                         f"or set ${TOKEN_ENV}")  # fmt: skip
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     client = CoordinatorClient(args.url, token, retries=1, timeout_s=10)

@@ -20,8 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import run as run_mod
 from ds_diloco.cli import INPUT_ERROR_EXIT
+from ds_diloco.cli import main as cli_main
 from ds_diloco.client import CoordinatorClient
-from ds_diloco.config import load_run_config
+from ds_diloco.config import TOKEN_ENV, load_run_config
 from ds_diloco.export import load_global_tensors
 from ds_diloco.run import LocalRun
 from ds_diloco.syncer import Diverged, Superseded
@@ -176,18 +177,27 @@ def _wait_for(cond, timeout, what):
 STEPS_OUTAGE = 240
 
 
-def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(tmp_path, tiny_config_path):
+def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(
+    tmp_path, tiny_config_path, monkeypatch, capsys
+):
     run_file = write_run_file(
         tmp_path, tiny_config_path, [{"name": "one", "world_size": 1}, {"name": "two", "world_size": 2}],
         steps=STEPS_OUTAGE,
     )  # fmt: skip
     cfg = load_run_config(run_file)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # the run makes its own token
     lr = LocalRun(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         lr.spawn_coordinator()
         lr.start_islands()  # while the coordinator starts up: they reach it when it answers
         client = lr.wait_for_coordinator()
+        # An operator watches the run with the token the run wrote for it (owner only).
+        token_file = Path(cfg.coordinator.state_dir) / "token"
+        assert lr.token_file == token_file and token_file.read_text() == lr.token
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert cli_main(["status", lr.url, "--token-file", str(token_file)]) == 0
+        assert f"coordinator {lr.url}  fragments" in capsys.readouterr().out
 
         def step(name):
             record = lr.island_records().get(name, {})
@@ -499,6 +509,22 @@ def test_resuming_starts_only_the_islands_that_had_not_finished(tmp_path, tiny_c
     lr.start_islands(skip={"b"})
     assert started == [("a", 0, 3), ("c", 2, 3)]  # each keeps its own data shard
     assert set(lr.startup) == {"islands_started_s"}
+
+
+def test_a_resumed_run_keeps_the_token_it_made_and_a_fresh_one_makes_another(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], steps=1))
+    token_file = Path(cfg.coordinator.state_dir) / "token"
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text("the-last-runs-token\n")
+    assert LocalRun(cfg, fresh=False).token == "the-last-runs-token"
+    fresh = LocalRun(cfg)  # clears state/: a token of its own, written when it starts
+    assert fresh.token != "the-last-runs-token" and not token_file.exists()
+    monkeypatch.setenv(TOKEN_ENV, "given")  # a token given is not written anywhere
+    given = LocalRun(cfg, fresh=False)
+    assert given.token == "given" and given.token_file is None
 
 
 def test_a_fresh_run_refuses_a_state_dir_of_its_own_that_holds_a_run(tmp_path, tiny_config_path):

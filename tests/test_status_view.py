@@ -92,7 +92,7 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
     assert code == 0 and json.loads(raw)["versions"] == [1, 1]
 
 
-def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, monkeypatch):
+def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("DS_DILOCO_TOKEN", raising=False)
     code, _, err = _status(capsys, server.url)
     assert code == 2 and "no bearer token" in err
@@ -102,6 +102,15 @@ def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, mon
     assert code == 2 and "no status from http://127.0.0.1:9" in err
     code, _, err = _status(capsys, server.url, "--token", TOKEN, "--watch", "0")
     assert code == 2 and "--watch must be > 0" in err
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.write_text("\n")
+    code, _, err = _status(capsys, server.url, "--token-file", str(empty))
+    assert code == 2 and f"--token-file {empty}: the file is empty" in err
+    code, _, err = _status(capsys, server.url, "--token-file", str(missing))
+    assert code == 2 and f"--token-file {missing}: No such file" in err
+    (tmp_path / "token").write_text(TOKEN + "\n")  # what a run writes as state_dir/token
+    code, out, _ = _status(capsys, server.url, "--token-file", str(tmp_path / "token"))
+    assert code == 0 and out.startswith(f"coordinator {server.url}")
 
 
 def test_render_refuses_a_document_that_is_not_a_status():
