@@ -282,10 +282,7 @@ class Coordinator:
                 log.info("island %s joins with world size %d", island, world_size)
             else:  # restarted (or resized): it may count its steps from an earlier checkpoint
                 log.info("island %s registers again with world size %d", island, world_size)
-                isl.world_size, isl.left_at, isl.finishing = world_size, None, False
-                isl.registrations += 1
-                isl.uploads.clear()
-                isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
+                isl.new_incarnation(isl.registrations + 1, world_size, now)
             self._drop_pending(island)
         self._save_table()  # a registration is durable before it is acknowledged
         # The island's ranks send it with every upload: a process from before a later
@@ -420,10 +417,7 @@ class Coordinator:
             "older than that registration): taken as registered, world size %d",
             h.island, h.incarnation, isl.registrations, h.world_size,
         )  # fmt: skip
-        isl.registrations, isl.world_size, isl.left_at = h.incarnation, h.world_size, None
-        isl.finishing = False
-        isl.uploads.clear()
-        isl.last_step, isl.last_step_at, isl.last_seen = 0, None, now
+        isl.new_incarnation(h.incarnation, h.world_size, now)
         self._drop_pending(isl.island)
 
     def _drop_pending(self, island: str, keep_final: bool = False) -> None:

@@ -56,6 +56,15 @@ class IslandRecord:
     """It sent its final flush (an upload marked ``final``): done training, it is no
     longer live for any quorum; its final contributions wait for the next rounds."""
 
+    def new_incarnation(self, incarnation: int, world_size: int, now: float) -> None:
+        """A new launch of the island registered (or is taken as registered): live again,
+        at its world size; its step counts and replay marks start over (a restarted
+        island may count its steps from an earlier checkpoint)."""
+        self.registrations, self.world_size = incarnation, world_size
+        self.left_at, self.finishing = None, False
+        self.uploads.clear()
+        self.last_step, self.last_step_at, self.last_seen = 0, None, now
+
     def count_dropped(self, fragment: int, step: int, steps: int) -> None:
         if self.last_dropped.get(fragment) != step:
             self.last_dropped[fragment] = step
