@@ -94,7 +94,10 @@ def main() -> None:
     # Torch's own advice: tear the process group down before exiting. Left to interpreter
     # teardown, a gloo worker thread still freeing the last collective's tensors needs
     # the GIL after finalization began, and the rank aborts ("terminate called without
-    # an active exception", seen once in CI on the rank that left first).
+    # an active exception"). The barrier first, as the other examples have it: without
+    # it the rank that did not save left while rank 0 was still writing, and aborted
+    # so (once in CI, twice in this project's test runs since).
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
