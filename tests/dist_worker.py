@@ -70,11 +70,24 @@ def scenario_minmax(spec, rank, world):
     """The agreement's gather, on the island's group and on a gloo group of its own (what
     an NCCL island agrees on: made here on gloo), torn down after."""
     default = zero.agreement_group()  # None on gloo: the island's own group
-    group = torch.distributed.new_group(backend="gloo")
-    rows_group = zero.island_gather(list(reversed(spec["minmax"][rank])), group=group)
-    zero.destroy_group(group)
-    return {"rows": zero.island_gather(spec["minmax"][rank]), "rows_group": rows_group,
-            "default": default}  # fmt: skip
+    own = torch.distributed.new_group(backend="gloo")
+    # Both groups are gloo over the same ranks here, so the rows alone cannot tell them
+    # apart: which group each all-gather ran on is recorded.
+    gathered_on, all_gather = [], torch.distributed.all_gather
+
+    def recording(rows, t, group=None, **kw):
+        gathered_on.append("own" if group is own else repr(group))
+        return all_gather(rows, t, group=group, **kw)
+
+    torch.distributed.all_gather = recording
+    try:
+        rows_group = zero.island_gather(list(reversed(spec["minmax"][rank])), group=own)
+        rows = zero.island_gather(spec["minmax"][rank])
+    finally:
+        torch.distributed.all_gather = all_gather
+    zero.destroy_group(own)
+    return {"rows": rows, "rows_group": rows_group, "default": default,
+            "gathered_on": gathered_on}  # fmt: skip
 
 
 def scenario_shards(spec, rank, world):

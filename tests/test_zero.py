@@ -182,6 +182,8 @@ def test_island_gather_gives_every_rank_all_rows_in_rank_order(island):
         assert res["rows"] == MINMAX, f"rank {r}"
         assert res["rows_group"] == [list(reversed(row)) for row in MINMAX], f"rank {r}"
         assert res["default"] is None  # a gloo island agrees on its own group
+        # The group given is the one gathered on; none given: the default group.
+        assert res["gathered_on"] == ["own", "None"], f"rank {r}: {res['gathered_on']}"
 
 
 def test_a_rank_alone_agrees_without_a_collective(monkeypatch):
