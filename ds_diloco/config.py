@@ -301,8 +301,18 @@ class TrainConfig:
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps, and at the last step, into the island's workdir; a restarted island resumes
     from it, a finished one resumed with more steps from its end (0: never)."""
+    freeze: tuple[str, ...] = ()
+    """Regexes (``re.search``) of parameter names the island does not train, e.g.
+    ``[embed_tokens, 'layers\\.[0-3]\\.']`` to fine-tune with the embeddings and the first
+    layers kept fixed: no AdamW state, no fp32 master, and a pseudo-gradient of 0 (they
+    still take every merged global value). Each must match some parameter."""
 
     def __post_init__(self):
+        for pattern in self.freeze:  # a bad one would fail in every rank's start-up
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"train.freeze: {pattern!r} is not a regex: {e}") from None
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.sync_blocks < 0:

@@ -132,7 +132,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     t = cfg.train
     warmup = (lambda s: min(1.0, (s + 1) / t.warmup_steps)) if t.warmup_steps else None
     ds_config = deepspeed_config(cfg, world)
-    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, warmup)
+    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, warmup, t.freeze)
     # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
     # its last checkpoint, then takes the current global fragments like any island.
     ckpt_dir = workdir / "checkpoints"

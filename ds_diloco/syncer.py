@@ -115,6 +115,10 @@ class Diverged(RuntimeError):
 class ShardAccess(Protocol):
     """Reads and writes the flat, unpadded slice of a parameter that this rank owns."""
 
+    def trains(self, name: str) -> bool:
+        """False for a frozen parameter: never read, its pseudo-gradient is 0."""
+        ...
+
     def read(self, name: str) -> torch.Tensor: ...
 
     def write(self, name: str, values: torch.Tensor) -> None: ...
@@ -131,6 +135,9 @@ class ModelShardAccess:
         p = self.params[name].data.view(-1)
         a, b = shard_range(p.numel(), self.world_size, self.rank)
         return p[a:b]
+
+    def trains(self, name: str) -> bool:
+        return self.params[name].requires_grad
 
     def read(self, name: str) -> torch.Tensor:
         return self._view(name).float()
@@ -330,7 +337,8 @@ class FragmentSyncer:
     def _shard_device(self) -> torch.device | None:
         """The GPU the shard lives on (merged fragments are copied there ahead of their
         applies), or None: host memory, applied from the base as it is."""
-        first = next((n for frag in self.plan.fragments for n in frag.names), None)
+        names = (n for frag in self.plan.fragments for n in frag.names)
+        first = next((n for n in names if self.access.trains(n)), None)
         if first is None:
             return None
         device = self.access.read(first).device
@@ -612,7 +620,10 @@ class FragmentSyncer:
         # this step (a download only writes a slot that waits for a result).
         t0 = time.perf_counter()
         with slot.lock, torch.no_grad():
-            local = {n: self.access.read(n) for n in frag.names}
+            local = {n: self.access.read(n) for n in frag.names if self.access.trains(n)}
+            for n in frag.names:
+                if n not in local:  # frozen: it does not train, its pseudo-gradient is 0
+                    slot.base[n].zero_()
             if self._stage_on_device(local):
                 # A copy on the GPU, queued after the optimizer step: the copy to the host
                 # and the subtraction run in the upload thread, not in the training loop.
@@ -626,7 +637,9 @@ class FragmentSyncer:
                 copy = self.keep_local_steps
                 local = {n: t.to("cpu", copy=copy) for n, t in local.items()}
                 # In place: the base becomes the pseudo-gradient, and the body aliases it.
-                delta = {n: slot.base[n].sub_(local[n]) for n in frag.names}
+                for n, t in local.items():
+                    slot.base[n].sub_(t)
+                delta = {n: slot.base[n] for n in frag.names}  # wire order
             if self.keep_local_steps:
                 slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
             del local
@@ -664,10 +677,11 @@ class FragmentSyncer:
         values = slot.base if pre is None else pre.values
         for name in frag.names:
             new = values[name]
-            if keep:  # global + what this rank trained since its upload (not in any merge)
+            trains = self.access.trains(name)  # frozen: nothing trained here to keep or blend
+            if keep and trains:  # global + what this rank trained since its upload (not merged)
                 sent = slot.sent_values[name].to(new.device)
                 new = new + (self.access.read(name).to(new.device) - sent)
-            elif blend and self.alpha > 0.0:
+            elif blend and trains and self.alpha > 0.0:
                 new = self.alpha * self.access.read(name).to(new.device) + (1.0 - self.alpha) * new
             self.access.write(name, new)
         if pre is not None:

@@ -20,8 +20,10 @@ import functools
 import logging
 import math
 import os
+import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -88,9 +90,18 @@ def init_distributed() -> tuple[int, int]:
 
 
 def build_engine(
-    source: ModelSource, ds_config: dict, lr: float, weight_decay: float, lr_lambda=None
+    source: ModelSource,
+    ds_config: dict,
+    lr: float,
+    weight_decay: float,
+    lr_lambda=None,
+    freeze: Sequence[str] = (),
 ):
-    """A DeepSpeed ZeRO-3 engine over an HF causal LM that is never whole on any rank."""
+    """A DeepSpeed ZeRO-3 engine over an HF causal LM that is never whole on any rank.
+
+    ``freeze``: regexes of parameter names left out of training (``requires_grad=False``,
+    not given to AdamW); each must match a parameter, and some parameter must be left.
+    """
     import deepspeed
     import torch._dynamo.polyfills.tensor
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,7 +116,8 @@ def build_engine(
     else:
         torch.manual_seed(source.seed)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source.config))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    trained = freeze_params(model, freeze)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
     with _compile_on_first_call():  # stage 3 imports its Muon optimizer, whatever the optimizer
         import deepspeed.runtime.zero.muon.muon_optimizer
@@ -113,6 +125,28 @@ def build_engine(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     return engine
+
+
+def freeze_params(model: torch.nn.Module, patterns: Sequence[str]) -> list[torch.nn.Parameter]:
+    """Set ``requires_grad=False`` on the parameters whose names match one of ``patterns``
+    (``re.search``); returns the parameters left to train. A pattern that matches nothing
+    (a typo would silently train everything) or one that leaves nothing is refused."""
+    params = list(model.named_parameters())
+    for pattern in patterns:
+        if not any(re.search(pattern, name) for name, _ in params):
+            raise ValueError(
+                f"train.freeze: {pattern!r} matches no parameter of the model "
+                f"(they are named like {params[0][0]!r})"
+            )
+    trained = []
+    for name, p in params:
+        if any(re.search(pattern, name) for pattern in patterns):
+            p.requires_grad_(False)
+        elif p.requires_grad:
+            trained.append(p)
+    if not trained:
+        raise ValueError(f"train.freeze: {list(patterns)} freezes every parameter")
+    return trained
 
 
 @contextlib.contextmanager
@@ -154,6 +188,11 @@ class ZeroShardAccess:
     A write must reach three places for the next forward pass to use it: the fp32
     master, the compute partition ``ds_tensor`` (a separate tensor, possibly of
     another dtype), and any cached gathered copies, dropped by :meth:`flush`.
+
+    A frozen parameter (``requires_grad=False``: embeddings or layers kept fixed while
+    fine-tuning) has no fp32 master -- DeepSpeed gives the optimizer only the trained
+    ones -- so it is never read (it does not train: its pseudo-gradient is zero, see
+    :meth:`trains`) and a write goes to its compute partition alone.
     """
 
     def __init__(self, engine):
@@ -169,9 +208,16 @@ class ZeroShardAccess:
     def numel(self, name: str) -> int:
         return shard_numel(self.params[name].ds_numel, self.world_size, self.rank)
 
+    def trains(self, name: str) -> bool:
+        """Whether the inner optimizer trains this parameter (it has an fp32 master)."""
+        return self.params[name].requires_grad
+
     def read(self, name: str) -> torch.Tensor:
         """A live view of the owned, unpadded fp32 master slice (copy before keeping it)."""
-        return self._get(self.params[name])[: self.numel(name)]
+        master = self._get(self.params[name])
+        if master is None:  # DeepSpeed's answer for a frozen parameter
+            raise ValueError(f"{name} is frozen (requires_grad=False): it has no fp32 master")
+        return master[: self.numel(name)]
 
     @torch.no_grad()
     def write(self, name: str, values: torch.Tensor) -> None:
@@ -179,6 +225,10 @@ class ZeroShardAccess:
         n = self.numel(name)
         if values.numel() != n:
             raise ValueError(f"{name}: {values.numel()} values for a slice of {n}")
+        if not p.requires_grad:  # frozen: the compute partition is its only copy
+            p.ds_tensor.view(-1)[:n].copy_(values.to(p.ds_tensor.device))
+            self._dirty = True
+            return
         master = self._get(p)
         # One copy to the master's device (the base copy is host memory); the compute
         # partition is written from there, converted on that device.
@@ -315,7 +365,8 @@ def model_finite(engine) -> bool:
     a restart never resumes a diverged inner state. DeepSpeed skips a step whose gradients
     are not finite, so a diverged model is more often huge than NaN."""
     access = ZeroShardAccess(engine)
-    ok = all(math.isfinite(sq_norm(access.read(name))) for name in access.params)
+    trained = [name for name in access.params if access.trains(name)]  # frozen: written only
+    ok = all(math.isfinite(sq_norm(access.read(name))) for name in trained)
     return min(row[0] for row in island_gather([int(ok)])) == 1
 
 

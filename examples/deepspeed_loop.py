@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import deepspeed
@@ -41,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--connect-timeout", type=float, default=30.0)
     p.add_argument("--save", help="save the run's merged model here at the end (HF folder)")
+    p.add_argument("--freeze", help="regex: parameters whose names match are not trained")
     p.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     return p.parse_args()
 
@@ -57,7 +59,10 @@ def main() -> None:
     keep = HfDeepSpeedConfig(ds_config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.freeze:  # e.g. embeddings kept fixed while fine-tuning: their pseudo-gradient is 0
+        for name, param in model.named_parameters():
+            param.requires_grad_(re.search(args.freeze, name) is None)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     # Joins the run: checks the model against the run's, takes the global model.

@@ -30,16 +30,18 @@ from ds_diloco.sharding import shard_slice
 MICRO_BATCH, SEQ = 2, 16
 
 
-def engine_for(spec: dict, seed: int, model: ModelSource | None = None):
+def engine_for(spec: dict, seed: int, model: ModelSource | None = None, freeze=()):
     """A ZeRO-3 engine built as an island builds it (the project's DeepSpeed config file)."""
     cfg = IslandConfig(
         island="test", coordinator_url="http://127.0.0.1:1",
         model=model or ModelSource(config=spec["model_config"], seed=seed),
         deepspeed_config=spec["deepspeed_config"], data=DataConfig(path="unused"),
-        train=TrainConfig(micro_batch=MICRO_BATCH, lr=spec["lr"], weight_decay=spec["weight_decay"]),
+        train=TrainConfig(micro_batch=MICRO_BATCH, lr=spec["lr"], weight_decay=spec["weight_decay"],
+                          freeze=tuple(freeze)),
     )  # fmt: skip
     ds = deepspeed_config(cfg, torch.distributed.get_world_size())
-    return zero.build_engine(cfg.model, ds, cfg.train.lr, cfg.train.weight_decay)
+    t = cfg.train
+    return zero.build_engine(cfg.model, ds, t.lr, t.weight_decay, freeze=t.freeze)
 
 
 def batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +140,24 @@ def scenario_write(spec, rank, world):
     out["read_back"] = reads(access)
     out["loss"] = train_step(engine, ids, labels)
     out["after_step"] = zero.gather_full_params(engine)
+    return out
+
+
+def scenario_frozen(spec, rank, world):
+    """Frozen parameters (train.freeze) have no fp32 master: written values reach the
+    forward pass through the compute partition alone, and a training step keeps them."""
+    engine = engine_for(spec, seed=0, freeze=spec["freeze"])
+    access = zero.ZeroShardAccess(engine)
+    target = build_model(ModelSource(config=spec["model_config"], seed=spec["write_seed"]))
+    ids, labels = batch(spec["write_batch_seed"], spec["vocab"])
+    for n, p in target.named_parameters():
+        access.write(n, shard_slice(p.detach().flatten(), world, rank))
+    access.flush()
+    out = {"trains": {n: access.trains(n) for n in access.params}, "ids": ids}
+    out["written"] = logits(engine, ids)
+    train_step(engine, ids, labels)
+    out["after_step"] = zero.gather_full_params(engine)
+    out["finite"] = zero.model_finite(engine)
     return out
 
 
@@ -261,6 +281,7 @@ SCENARIOS = {
     "minmax": scenario_minmax,
     "shards": scenario_shards,
     "write": scenario_write,
+    "frozen": scenario_frozen,
     "syncer": scenario_syncer,
     "pretrained": scenario_pretrained,
     "no_token": scenario_no_token,

@@ -370,6 +370,7 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
         ({"coordinator.port": 70000}, r"coordinator: port must be in 0..65535, got 70000"),
         ({"coordinator.port": -1}, r"coordinator: port must be in 0..65535, got -1"),
         ({"coordinator.plain_patterns": ["embed", "[bad"]}, r"plain_patterns: '\[bad' is not a regex"),
+        ({"train.freeze": ["embed", "[bad"]}, r"train.freeze: '\[bad' is not a regex"),
         ({"islands": [{"name": "a", "master_port": 65536}]}, r"islands\[a\].master_port must be in 0..65535"),
         # Ports and launcher slots: two islands on one port, or a world_size the launcher
         # does not start, would fail (or run a different job) only at launch.

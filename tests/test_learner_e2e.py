@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,28 @@ def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_
     assert island["world_size"] == 2 and island["left"], island  # close() left the run
     per_step = 2 * 2 * 4 * 32  # micro-batches x ranks x micro-batch x seq_len (inputs)
     assert island["tokens_merged"] % per_step == 0 and island["tokens_merged"] > 0, island
+
+
+def test_frozen_parameters_send_nothing_and_the_rest_merges(tiny_config_path, tmp_path):
+    # Fine-tuning with the (tied) embeddings and the first layer frozen: ZeRO-3 gives them no
+    # fp32 master (reading it crashed the Learner). Their pseudo-gradient is exactly 0, so
+    # their global values stay the initial ones bit for bit; the other tensors merge.
+    saved, freeze = tmp_path / "merged", r"embed_tokens|layers\.0\."
+    with ServerThread(coordinator_config(tiny_config_path, tmp_path)) as srv:
+        start = {n: t.clone() for n, t in srv.coord.global_tensors().items()}
+        args = common_args(tiny_config_path, tmp_path, srv.url)
+        proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
+            *args, "--steps", "8", "--freeze", freeze, "--save", str(saved)])  # fmt: skip
+        assert proc.returncode == 0, output(proc)
+        check_joined_and_equal(srv, saved, tiny_config_path, min_merges=1)
+        end = srv.coord.global_tensors()
+    frozen = {n for n in start if re.search(freeze, n)}
+    assert frozen and frozen != set(start)
+    for n in start:
+        if n in frozen:
+            assert torch.equal(end[n], start[n]), f"frozen {n} moved"
+        else:
+            assert not torch.equal(end[n], start[n]), f"{n} was not merged"
 
 
 def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_config_path, tmp_path):

@@ -126,6 +126,42 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
         assert all(0 < s.stats.transport_cpu_s < 2 * 20.0 for s in ranks)
 
 
+def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_value(
+    tiny_config_path, tmp_path, send_path
+):
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=7)
+        info = client.register("isl", 1, srv.coord.plan.signature)
+        plan, schedule = FragmentPlan.from_json(info["plan"]), Schedule(**info["schedule"])
+        names = plan.fragments[0].names
+        frozen = names[0]
+        params = dict(model.named_parameters())
+        params[frozen].requires_grad_(False)
+        s = FragmentSyncer(client, "isl", plan, schedule, ModelShardAccess(model))
+        s.bootstrap()
+        glob = srv.coord.global_tensors()
+        with torch.no_grad():  # an inner step: the trained parameters move by -0.01; the
+            for p in params.values():  # frozen one is moved too: no step of its, never sent
+                p.sub_(0.01 if p.requires_grad else -5.0)
+        s.on_step(1, tokens=64)
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        got = srv.coord.global_tensors()
+        assert torch.equal(got[frozen], glob[frozen])  # a pseudo-gradient of exactly 0
+        step = 0.7 * (0.01 + 0.9 * 0.01)  # outer Nesterov's first step, g = +0.01
+        assert all(torch.allclose(got[n], glob[n] - step, atol=1e-6) for n in names[1:])
+        wait_for(lambda: s.slots[0].arrived)
+        assert s.on_step(2, tokens=64) == [0]
+        assert torch.equal(params[frozen].detach(), glob[frozen])  # the global value, written
+        s.close()
+        check_apply_path([s], send_path)
+
+
 def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sent(
     tiny_config_path, tmp_path
 ):

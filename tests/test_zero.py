@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ ODD_LLAMA = {
 }
 LR, WEIGHT_DECAY = 1e-2, 0.01
 MINMAX = [[3, -1, 7, 0, 2**40, -5], [5, -2, 7, 10, -(2**40), -5]]
+FREEZE = ("embed_tokens", r"layers\.0\.")  # the tied embeddings and the first layer
 
 
 @dataclass
@@ -137,6 +139,7 @@ def island(tmp_path_factory):
                 "minmax",
                 "shards",
                 "write",
+                "frozen",
                 "syncer",
                 "pretrained",
                 "no_token",
@@ -151,6 +154,7 @@ def island(tmp_path_factory):
             "weight_decay": WEIGHT_DECAY,
             "minmax": MINMAX,
             "write_seed": 123,
+            "freeze": list(FREEZE),
             "write_batch_seed": 5,
             "url": srv.url,
             "token": "t",
@@ -184,6 +188,23 @@ def test_island_gather_gives_every_rank_all_rows_in_rank_order(island):
         assert res["default"] is None  # a gloo island agrees on its own group
         # The group given is the one gathered on; none given: the default group.
         assert res["gathered_on"] == ["own", "None"], f"rank {r}: {res['gathered_on']}"
+
+
+def test_freeze_params_refuses_a_pattern_that_matches_nothing_or_everything(tiny_config_path):
+    def model():
+        return build_model(ModelSource(config=tiny_config_path, seed=0))
+
+    m = model()
+    trained = zero.freeze_params(m, FREEZE)
+    names = [n for n, _ in m.named_parameters()]
+    frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n in names if any(re.search(f, n) for f in FREEZE)}
+    assert frozen and [id(p) for p in trained] == [id(p) for p in m.parameters() if p.requires_grad]
+    # A typo would otherwise train everything, silently.
+    with pytest.raises(ValueError, match=r"train.freeze: 'embed_token\$' matches no parameter"):
+        zero.freeze_params(model(), [r"embed_token$"])
+    with pytest.raises(ValueError, match=r"freezes every parameter"):
+        zero.freeze_params(model(), ["."])
 
 
 def test_a_rank_alone_agrees_without_a_collective(monkeypatch):
@@ -255,6 +276,28 @@ def test_written_values_reach_the_forward_pass_and_the_optimizer(island):
         for n, p in params.items():
             d = max_diff(out["after_step"][n], p.detach())
             assert d <= 1e-6, f"{n} rank {r}: {d}"
+
+
+def test_frozen_parameters_take_written_values_and_keep_them_through_a_step(island):
+    res = island.both("frozen")
+    spec = island.spec
+    target = plain_model(spec, seed=spec["write_seed"])
+    with torch.no_grad():
+        ref = target(input_ids=res[0]["ids"])
+    params = dict(target.named_parameters())
+    frozen = {n for n in params if any(re.search(f, n) for f in FREEZE)}
+    assert frozen and frozen != set(params)
+    for r, out in enumerate(res):
+        assert {n for n, t in out["trains"].items() if not t} == frozen, f"rank {r}"
+        # No fp32 master to write: the compute partition alone carries the written values.
+        assert max_diff(out["written"], ref.logits) <= 1e-5, f"rank {r}"
+        for n, p in params.items():
+            moved = max_diff(out["after_step"][n], p.detach())
+            if n in frozen:  # not trained: exactly what was written
+                assert moved == 0, f"{n} rank {r}: {moved}"
+            else:
+                assert moved > 0, f"{n} rank {r}: not trained"
+        assert out["finite"] is True
 
 
 def test_syncer_bootstrap_and_apply_on_a_zero3_island(island):
