@@ -163,7 +163,6 @@ def test_rounds_are_closed_by_the_coordinators_policy(monkeypatch):
     result = simulate(cfg.replace(systems=("diloco",)))
     assert len(calls) >= result.rows[0].stats["merges"] > 0
     assert all(opts == cfg.policy for _, opts in calls)
-    assert all(type(s) is round_policy.RoundState for s, _ in calls)  # built without its call
     assert {s.live_islands for s, _ in calls} <= set(range(cfg.islands + 1))
 
     # A policy that merges on the first arrival leaves the other islands' uploads stale.

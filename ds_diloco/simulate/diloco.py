@@ -184,11 +184,7 @@ class _Sim:
             # once a step of simulated time, not per call: it moves slowly.
             xi = min(self.ema_val)
             self._xi_step, self._xi_at = (xi if xi < math.inf else None), now
-        # RoundState(...) less type.__call__, which packs the keywords into a dict for
-        # __init__ to unpack: half the cost of a construction, made once per decision.
-        state = object.__new__(RoundState)
-        RoundState.__init__(
-            state,
+        state = RoundState(
             live_islands=live,
             contributors=c,
             first_arrival=times[0] if c else None,
