@@ -460,8 +460,12 @@ class Coordinator:
         except wire.WireError as e:
             raise CoordinatorError(400, str(e)) from None
         fs = self._fragment(h.fragment)
-        slices = self._decompress(h, fs.fragment, slices, meta)
-        self._check_shape(h, fs.fragment, slices)
+        zeros = self._zero_names(h, fs.fragment, slices)
+        slices = self._decompress(h, fs.fragment, slices, meta, zeros)
+        self._check_shape(h, fs.fragment, slices, zeros)
+        for p in fs.fragment.params:  # frozen on the island: left out of the body
+            if p.name in zeros:
+                slices[p.name] = torch.zeros(shard_numel(p.numel, h.world_size, h.rank))
         sq = self._check_values(fs, slices, h)  # before any state changes
 
         now = self.clock()
@@ -594,7 +598,26 @@ class Coordinator:
     def _ranges(fs: FragmentState, world_size: int, rank: int):
         return [shard_range(s.numel, world_size, rank) for s in fs.segments]
 
-    def _decompress(self, h: wire.UploadHeader, frag: Fragment, tensors, meta) -> dict:
+    @staticmethod
+    def _zero_names(h: wire.UploadHeader, frag: Fragment, tensors) -> set[str]:
+        """The slices the upload says it left out as all zero (``zeros``), checked."""
+        names = h.zero_names()
+        unknown = sorted(set(names) - set(frag.names))
+        if unknown:
+            raise CoordinatorError(
+                422, f"'zeros' lists slices that fragment {frag.index} does not have: {unknown[:5]}"
+            )
+        both = sorted(n for n in names if n in tensors)
+        if both or len(set(names)) != len(names):
+            raise CoordinatorError(
+                422,
+                f"'zeros' lists a slice twice, or one the body holds too: {(both or names)[:5]}",
+            )
+        return set(names)
+
+    def _decompress(
+        self, h: wire.UploadHeader, frag: Fragment, tensors, meta, zeros: set[str]
+    ) -> dict:
         """The float32 slices of a compressed upload (``compress.to_wire``); plain ones as sent.
 
         Nothing is decoded before the slices' declared shapes have passed the plan's
@@ -609,13 +632,17 @@ class Coordinator:
         except ValueError as e:
             raise CoordinatorError(400, f"malformed compressed upload from {who}: {e}") from None
         shapes = {n: torch.empty(e.shape, device="meta") for n, e in encoded.items()}
-        self._check_shape(h, frag, shapes)
+        self._check_shape(h, frag, shapes, zeros)
         try:
             return {n: compress.decode(e) for n, e in encoded.items()}
         except ValueError as e:
             raise CoordinatorError(422, f"bad compressed values from {who}: {e}") from None
 
-    def _check_shape(self, h: wire.UploadHeader, frag: Fragment, slices) -> None:
+    def _check_shape(
+        self, h: wire.UploadHeader, frag: Fragment, slices, zeros: set[str] = frozenset()
+    ) -> None:
+        """Counters in range; the body holds every slice of the fragment but ``zeros``, each
+        F32 of this rank's length."""
         if not 0 <= h.rank < h.world_size:
             raise CoordinatorError(422, f"rank {h.rank} is outside world size {h.world_size}")
         if h.step < 1 or h.steps < 1 or h.tokens < 0 or h.base_version < 0:
@@ -632,7 +659,7 @@ class Coordinator:
             raise CoordinatorError(
                 422, f"steps {h.steps} since the last sync exceed the island's step {h.step}"
             )
-        names = set(frag.names)
+        names = set(frag.names) - zeros
         missing, extra = sorted(names - set(slices)), sorted(set(slices) - names)
         if missing or extra:
             raise CoordinatorError(
@@ -641,6 +668,8 @@ class Coordinator:
                 f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}",
             )
         for p in frag.params:
+            if p.name in zeros:
+                continue
             t = slices[p.name]
             want = shard_numel(p.numel, h.world_size, h.rank)
             if t.dtype != torch.float32:

@@ -87,9 +87,8 @@ class Staged:
         return cls(base, local, copies_done(next(iter(local.values()))))
 
     def subtract(self, lane: CopyLane) -> dict[str, torch.Tensor]:
-        """The upload thread: ``base - local`` in place in the base, which it returns whole,
-        in wire order (the caller holds the base's lock; frozen slices, not in ``local``,
-        were zeroed already)."""
+        """The upload thread: ``base - local`` in place in the base, which it returns (the
+        caller holds the base's lock)."""
         if self.ready is not None:
             self.ready.synchronize()  # the copy on the GPU is done
         device = next(iter(self.local.values())).device
@@ -99,7 +98,7 @@ class Staged:
                 for a, chunk in lane.pieces(t.numel()):
                     chunk.copy_(t[a : a + chunk.numel()])
                     base[a : a + chunk.numel()].sub_(chunk)
-        return dict(self.base)
+        return {name: self.base[name] for name in self.local}
 
 
 @dataclasses.dataclass

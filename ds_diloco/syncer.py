@@ -621,9 +621,8 @@ class FragmentSyncer:
         t0 = time.perf_counter()
         with slot.lock, torch.no_grad():
             local = {n: self.access.read(n) for n in frag.names if self.access.trains(n)}
-            for n in frag.names:
-                if n not in local:  # frozen: it does not train, its pseudo-gradient is 0
-                    slot.base[n].zero_()
+            # Frozen: it does not train, its pseudo-gradient is 0, left out of the body.
+            zeros = ",".join(n for n in frag.names if n not in local)
             if self._stage_on_device(local):
                 # A copy on the GPU, queued after the optimizer step: the copy to the host
                 # and the subtraction run in the upload thread, not in the training loop.
@@ -637,9 +636,7 @@ class FragmentSyncer:
                 copy = self.keep_local_steps
                 local = {n: t.to("cpu", copy=copy) for n, t in local.items()}
                 # In place: the base becomes the pseudo-gradient, and the body aliases it.
-                for n, t in local.items():
-                    slot.base[n].sub_(t)
-                delta = {n: slot.base[n] for n in frag.names}  # wire order
+                delta = {n: slot.base[n].sub_(t) for n, t in local.items()}
             if self.keep_local_steps:
                 slot.sent_values, slot.sent_counts = local, (slot.tokens, slot.steps)
             del local
@@ -656,6 +653,7 @@ class FragmentSyncer:
             incarnation=self.incarnation,
             run=self.run,
             final=int(final),
+            zeros=zeros,
         )
         with self._lock:
             slot.in_flight = slot.holds_upload = slot.sending = True

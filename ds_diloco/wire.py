@@ -75,10 +75,17 @@ class UploadHeader:
     with the fragment's next round that closes (an island that finished waits for no
     result, so it neither makes a quorum nor closes a round), and keeps it when the island
     leaves. Optional: omitted when 0."""
+    zeros: str = ""
+    """Comma-separated names of the fragment's slices left out of the body because they
+    are all zero: frozen parameters, which do not train (the coordinator takes them as
+    zeros). Optional: omitted when empty."""
 
     def __post_init__(self) -> None:
         if self.final not in (0, 1):
             raise WireError(f"metadata field 'final' must be 0 or 1, got {self.final}")
+
+    def zero_names(self) -> list[str]:
+        return self.zeros.split(",") if self.zeros else []
 
 
 SUPERSEDED = "this process was superseded"
@@ -98,7 +105,7 @@ class FragmentHeader:
     rank: int
 
 
-_OPTIONAL = {"run": "", "final": 0}
+_OPTIONAL = {"run": "", "final": 0, "zeros": ""}
 """Header fields added after the first wire version, by their default: omitted when they
 hold it, and read as it when omitted (an empty ``run`` too)."""
 

@@ -80,8 +80,8 @@ def test_int4_island_merges_what_it_sent_and_carries_the_residual(
         decoded = {}  # (rank, fragment, step) -> what the coordinator decoded
         decompress = srv.coord._decompress
 
-        def spy(h, frag, tensors, meta):
-            out = decompress(h, frag, tensors, meta)
+        def spy(h, frag, tensors, meta, zeros):
+            out = decompress(h, frag, tensors, meta, zeros)
             decoded[(h.rank, h.fragment, h.step)] = {n: t.clone() for n, t in out.items()}
             return out
 
@@ -224,3 +224,25 @@ def test_plain_uploads_still_work_with_compression_configured(tiny_config_path, 
         reply = client.upload(header, rank_slices(plan.fragments[0], delta, 1, 0))
         assert reply["status"] == "accepted"
         wait_for(lambda: srv.coord.versions()[0] == 1)
+
+
+def test_a_frozen_parameter_is_left_out_of_a_compressed_upload(tiny_config_path, tmp_path):
+    with ServerThread(config(tiny_config_path, tmp_path, INT4)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
+        info = client.register("isl", 1, srv.coord.plan.signature)
+        plan = FragmentPlan.from_json(info["plan"])
+        frozen = plan.fragments[0].names[0]
+        dict(model.named_parameters())[frozen].requires_grad_(False)
+        s = FragmentSyncer(client, "isl", plan, Schedule(**info["schedule"]),
+                           ModelShardAccess(model), codec=Codec(**info["compression"]))  # fmt: skip
+        s.bootstrap()
+        glob = srv.coord.global_tensors()
+        perturb(model, seed=1)  # the frozen one too: still nothing of it is sent
+        s.on_step(1, tokens=64)
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        got = srv.coord.global_tensors()
+        assert torch.equal(got[frozen], glob[frozen])
+        assert all(not torch.equal(got[n], glob[n]) for n in plan.fragments[0].names[1:])
+        assert s.feedback.residual((0, frozen)) is None  # never compressed
+        s.close()

@@ -1014,3 +1014,41 @@ def test_versions_never_go_back_when_durable_merges_was_turned_off(tiny_config_p
     del off  # a crash before any save
     again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, durable_merges=False)
     assert again.versions()[0] > 3, again.versions()
+
+
+def test_slices_left_out_as_zeros_merge_as_zeros_and_bad_lists_change_nothing(
+    tiny_config_path, tmp_path
+):
+    """An island's frozen parameters (``zeros``): not in the body, merged as 0."""
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    coord.register("a", 2, coord.plan.signature)
+    frag = next(f for f in coord.plan.fragments if len(f.names) >= 2)
+    frozen, *trained = frag.names
+    before = coord.global_tensors()
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+
+    def upload(rank, zeros, names):
+        header = wire.UploadHeader(
+            island="a", rank=rank, world_size=2, fragment=frag.index, base_version=0, step=2,
+            tokens=10, steps=2, zeros=zeros,
+        )  # fmt: skip
+        slices = rank_slices(frag, full, 2, rank)
+        return coord.upload(wire.encode_upload(header, {n: slices[n] for n in names}))
+
+    bad = [
+        ("nope", trained, r"'zeros' lists slices that fragment \d+ does not have: \['nope'\]"),
+        (frozen, frag.names, "'zeros' lists a slice twice, or one the body holds too"),
+        (f"{frozen},{frozen}", trained, "'zeros' lists a slice twice"),
+        ("", trained, "slices do not match the plan: missing"),  # left out, not listed
+    ]
+    for zeros, names, message in bad:
+        with pytest.raises(CoordinatorError, match=message):
+            upload(0, zeros, names)
+    assert coord.status()["islands"]["a"]["last_step"] == 0  # nothing of them was taken
+    for rank in range(2):
+        assert upload(rank, frozen, trained)["status"] == "accepted"
+    assert coord.poll(frag.index).merge
+    after = coord.global_tensors()
+    assert torch.equal(after[frozen], before[frozen])
+    assert all(not torch.equal(after[n], before[n]) for n in trained)

@@ -153,6 +153,9 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         wait_for(lambda: srv.coord.versions()[0] == 1)
         got = srv.coord.global_tensors()
         assert torch.equal(got[frozen], glob[frozen])  # a pseudo-gradient of exactly 0
+        # ... left out of the body (the header names it): the upload is the trained slices.
+        body = 4 * sum(params[n].numel() for n in names[1:])
+        assert 4 * params[frozen].numel() > 4096 and body < s.stats.bytes_sent < body + 4096
         step = 0.7 * (0.01 + 0.9 * 0.01)  # outer Nesterov's first step, g = +0.01
         assert all(torch.allclose(got[n], glob[n] - step, atol=1e-6) for n in names[1:])
         wait_for(lambda: s.slots[0].arrived)

@@ -230,7 +230,7 @@ def test_fragment_header_round_trip():
     assert_same(got, slices)
 
 
-OPTIONAL = {"run": "", "final": 0}  # omitted at these values
+OPTIONAL = {"run": "", "final": 0, "zeros": ""}  # omitted at these values
 
 
 def upload_meta(**changes) -> dict[str, str]:
@@ -256,6 +256,16 @@ def test_an_upload_may_say_its_run_and_omits_it_when_it_has_none():
     empty = wire.encode({"w": torch.ones(1)}, upload_meta(run=""))  # sent empty: none either
     assert wire.decode_upload(empty)[0] == UPLOAD
     assert "run" not in REQUIRED and "incarnation" in REQUIRED
+
+
+def test_an_upload_names_the_zero_slices_it_left_out_and_others_omit_it():
+    frozen = dataclasses.replace(UPLOAD, zeros="model.embed_tokens.weight,lm_head.weight")
+    header, _ = wire.decode_upload(wire.encode_upload(frozen, {"w": torch.ones(1)}))
+    assert header == frozen
+    assert header.zero_names() == ["model.embed_tokens.weight", "lm_head.weight"]
+    body = wire.encode_upload(UPLOAD, {"w": torch.ones(1)})
+    assert "zeros" not in wire.decode_upload_with_metadata(body)[2]
+    assert wire.decode_upload(body)[0].zero_names() == []
 
 
 def test_a_final_flush_upload_says_so_and_others_omit_it():
