@@ -948,7 +948,7 @@ class Coordinator:
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
-        reason = decision.reason  # formatted here once (round_policy.Why), stored and logged
+        reason = decision.reason  # formatted here once (a lazy round_policy.Why), stored and logged
         with self._lock:
             self._round_clock = (
                 self.send_schedule.position(fs.fragment.index),
