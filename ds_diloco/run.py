@@ -360,7 +360,9 @@ class LocalRun:
                 continue
             if rc == INPUT_ERROR_EXIT:  # its config or input: a restart fails the same way
                 self.given_up.add(name)
-                self.event("island given up", island=name, exit=rc, why="config or input error")
+                error = _error_line(self.workdir / "islands" / name / "log.txt")
+                self.event("island given up", island=name, exit=rc, why="config or input error",
+                           **({"error": error} if error else {}))  # fmt: skip
                 continue
             n = self.restarts.get(name, 0)
             if n >= self.cfg.max_restarts:
@@ -692,6 +694,14 @@ def _last_line(log: Path) -> str:
     """The last line of a process's log, as the reason it exited."""
     lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
     return lines[-1] if lines else "(no output)"
+
+
+def _error_line(log: Path) -> str | None:
+    """The island's own error line in its log (``ds-diloco: error: ...``, every rank's the
+    same; the launcher's lines come after it), without the prefix; None if there is none."""
+    prefix = "ds-diloco: error: "
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((ln[len(prefix) :] for ln in reversed(lines) if ln.startswith(prefix)), None)
 
 
 def _json_or_none(text: str):

@@ -332,10 +332,16 @@ def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconf
     for name, code in exits:
         lr.islands[name] = subprocess.Popen(["sh", "-c", f"exit {code}"], start_new_session=True)
         lr.islands[name].wait()
+    # What a misconfigured island's ranks print, then its launcher: the run says why.
+    log = lr.workdir / "islands" / "c" / "log.txt"
+    log.parent.mkdir(parents=True)
+    log.write_text("ds-diloco: error: train.freeze: 'x$' matches no parameter\n"
+                   "[launch.py:259:sigkill_handler] ... exits with return code = 2\n")  # fmt: skip
     lr.supervise()
     assert [(e["event"], e["island"]) for e in lr.events] == [
         ("island superseded", "a"), ("island died", "b"), ("island given up", "c"),
         ("island diverged", "d")]  # fmt: skip
+    assert lr.events[2]["error"] == "train.freeze: 'x$' matches no parameter"
     assert lr.superseded == {"a"} and lr.given_up == {"a", "c"}
     assert lr.restarts == {"b": 1, "d": 1}
     assert lr.failed_islands() == {"a": Superseded.exit_code, "c": INPUT_ERROR_EXIT}
