@@ -46,6 +46,17 @@ def wait_for(cond, timeout=20.0):
     raise AssertionError("condition not met in time")
 
 
+def coordinator_config(
+    tmp_path, tiny_config_path, quorum: int = 1, num_fragments: int = 2, sync_every: int = 4
+):
+    # H = 4; with P = 2 fragment 0 is sent after steps 2, 6, ..., fragment 1 after 4, 8, ...
+    return CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=num_fragments, sync_every=sync_every,
+        policy=PolicyOptions(min_quorum=quorum, grace_gamma=0.0, tau=1), token="t",
+    )  # fmt: skip
+
+
 @pytest.fixture(params=["direct", "staged"])
 def send_path(request, monkeypatch):
     """Both ways a send reads the local values and an apply writes them: at the step, from
@@ -75,11 +86,7 @@ def check_apply_path(syncers, send_path) -> None:
 def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
     tiny_config_path, tmp_path, send_path
 ):
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token="t",
-    )  # fmt: skip
+    cfg = coordinator_config(tmp_path, tiny_config_path, sync_every=2)
     with ServerThread(cfg) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=7)  # different init: bootstrap must replace it
@@ -129,11 +136,7 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
 def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_value(
     tiny_config_path, tmp_path, send_path
 ):
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token="t",
-    )  # fmt: skip
+    cfg = coordinator_config(tmp_path, tiny_config_path, sync_every=2)
     with ServerThread(cfg) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=7)
@@ -566,11 +569,7 @@ class _CorruptingProxy:
 
 @pytest.mark.parametrize("how", ["nan", "header", "truncate"])
 def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, tmp_path, how):
-    cfg = CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
-        token="t",
-    )  # fmt: skip
+    cfg = coordinator_config(tmp_path, tiny_config_path, sync_every=2)
     with ServerThread(cfg) as srv:
         proxy = _CorruptingProxy(srv.url, how)
         client = CoordinatorClient(proxy.url, "t", retries=0)
@@ -672,15 +671,6 @@ def train(s: FragmentSyncer, steps: range, wait_results: bool = True) -> None:
                 if slot.sent_step is not None and step >= s.schedule.apply_at(slot.sent_step):
                     wait_for(lambda slot=slot: slot.arrived)
         s.on_step(step, tokens=64)
-
-
-def coordinator_config(tmp_path, tiny_config_path, quorum: int, num_fragments: int = 2):
-    # H = 4; with P = 2 fragment 0 is sent after steps 2, 6, ..., fragment 1 after 4, 8, ...
-    return CoordinatorConfig(
-        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
-        num_fragments=num_fragments, sync_every=4,
-        policy=PolicyOptions(min_quorum=quorum, grace_gamma=0.0, tau=1), token="t",
-    )  # fmt: skip
 
 
 def test_a_superseded_island_stops_on_every_rank_at_the_same_step_and_cannot_leave(
