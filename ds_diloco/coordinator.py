@@ -463,10 +463,7 @@ class Coordinator:
         zeros = self._zero_names(h, fs.fragment, slices)
         slices = self._decompress(h, fs.fragment, slices, meta, zeros)
         self._check_shape(h, fs.fragment, slices, zeros)
-        for p in fs.fragment.params:  # frozen on the island: left out of the body
-            if p.name in zeros:
-                slices[p.name] = torch.zeros(shard_numel(p.numel, h.world_size, h.rank))
-        sq = self._check_values(fs, slices, h)  # before any state changes
+        sq = self._check_values(fs, slices, h)  # before any state changes; zeros: 0
 
         now = self.clock()
         with self._lock:
@@ -550,7 +547,11 @@ class Coordinator:
                 fs.assembling[h.island] = cur
             row = fs.rows[cur.row]
             for seg, (start, end) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
-                row[seg.offset + start : seg.offset + end].copy_(slices[seg.name])
+                part = row[seg.offset + start : seg.offset + end]
+                if seg.name in zeros:  # frozen on the island: left out of the body
+                    part.zero_()
+                else:
+                    part.copy_(slices[seg.name])
             cur.sq_norms += sq
             cur.ranks.add(h.rank)
             complete = len(cur.ranks) == cur.world_size
@@ -684,10 +685,10 @@ class Coordinator:
     @staticmethod
     def _check_values(fs: FragmentState, slices, h) -> torch.Tensor:
         """Squared norms per tensor slice; a non-finite sum means NaN/Inf somewhere."""
-        sq = torch.empty(len(fs.segments), dtype=torch.float64)
+        sq = torch.zeros(len(fs.segments), dtype=torch.float64)
         for i, seg in enumerate(fs.segments):
-            t = slices[seg.name]
-            sq[i] = sq_norm(t)
+            if seg.name in slices:  # a slice listed in ``zeros`` is not: its norm is 0
+                sq[i] = sq_norm(slices[seg.name])
         if not torch.isfinite(sq).all():
             bad = next(
                 s.name
