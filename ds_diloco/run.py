@@ -443,13 +443,9 @@ class LocalRun:
     def island_records(self) -> dict[str, dict]:
         out = {}
         for spec in self.cfg.islands:
-            path = self.workdir / "islands" / spec.name / "progress.jsonl"
-            if path.exists():
-                for line in reversed(path.read_text().splitlines()):
-                    record = _json_or_none(line)  # a crash can cut a line short
-                    if isinstance(record, dict):
-                        out[spec.name] = record
-                        break
+            record = _last_record(self.workdir / "islands" / spec.name / "progress.jsonl")
+            if record is not None:
+                out[spec.name] = record
         return out
 
     def progress_line(self, client: CoordinatorClient) -> str:
@@ -458,9 +454,8 @@ class LocalRun:
             if r.get("done"):
                 cells.append(f"{name}: done ({r['steps']} steps)")
             else:
-                cells.append(
-                    f"{name}: step {r['step']} loss {r.get('loss', float('nan')):.3f} tok {r.get('tokens', 0)}"
-                )
+                loss = f"{r['loss']:.3f}" if "loss" in r else "-"  # none before the first step
+                cells.append(f"{name}: step {r['step']} loss {loss} tok {r.get('tokens', 0)}")
         try:
             st = client.status()
             v, m = st["versions"], st["merges"]
@@ -702,6 +697,23 @@ def _error_line(log: Path) -> str | None:
     prefix = "ds-diloco: error: "
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     return next((ln[len(prefix) :] for ln in reversed(lines) if ln.startswith(prefix)), None)
+
+
+def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
+    """The last whole record of a progress file, reading only its end: the file grows
+    by a record every few steps for the whole run, and this is read every few seconds."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):  # a crash can cut the last line short
+        record = _json_or_none(line)
+        if isinstance(record, dict):
+            return record
+    return None
 
 
 def _json_or_none(text: str):

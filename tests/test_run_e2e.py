@@ -639,6 +639,31 @@ def test_torn_progress_and_summary_files_do_not_stop_a_run(tmp_path, tiny_config
     assert run_mod.resume_point(cfg) == {"a": {"step": 0}, "b": {"done": True}}
 
 
+def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_config_path):
+    # The supervisor shows every island's last record every few seconds, for the whole run.
+    islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=4)))
+    a, b = lr.island_dir("a"), lr.island_dir("b")
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    lines = [json.dumps({"island": "a", "step": s, "loss": 9.0 - s / 1e4, "tokens": s})
+             for s in range(1, 20001)]  # fmt: skip
+    (a / "progress.jsonl").write_text("\n".join(lines) + "\n")
+    assert (a / "progress.jsonl").stat().st_size > 4 * (1 << 16)
+    (b / "progress.jsonl").write_text('{"island": "b", "step": 0, "started_at": 2.0}\n')
+    assert run_mod._last_record(a / "progress.jsonl")["step"] == 20000
+    assert run_mod._last_record(a / "progress.jsonl", tail_bytes=100)["step"] == 20000
+    assert run_mod._last_record(a / "missing.jsonl") is None
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))  # nobody listens there
+    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
+    line = lr.progress_line(client)
+    port.close()
+    # No "loss nan" for an island that has not stepped yet.
+    assert line.startswith("[a: step 20000 loss 7.000 tok 20000 | b: step 0 loss - tok 0]"), line
+    assert "coordinator unreachable" in line
+
+
 def test_a_fresh_run_clears_an_earlier_runs_outputs_but_not_its_own_inputs(
     tmp_path, tiny_config_path
 ):
