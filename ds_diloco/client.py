@@ -13,7 +13,9 @@ Connection failures are retried with bounded exponential backoff and logged
 once, not counted); a timeout waiting for an answer is raised as
 ``TimeoutError``; a 4xx is the coordinator refusing the request and is raised
 at once as :class:`RefusedError` with the coordinator's message; a 5xx as
-:class:`CoordinatorError`. ``TRANSPORT_ERRORS`` is every failure of the
+:class:`CoordinatorError`; a TLS handshake refused for a reason retrying does not
+change (an untrusted certificate, no TLS at that address) at once as
+:class:`TLSError`, saying what to fix. ``TRANSPORT_ERRORS`` is every failure of the
 transport itself.
 
 An upload sent with ``release=True`` drops its body's parts (the pseudo-gradient's
@@ -31,6 +33,7 @@ import logging
 import math
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -38,7 +41,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import torch
 
-from ds_diloco import wire
+from ds_diloco import tls, wire
 from ds_diloco.fragments import Fragment
 from ds_diloco.sharding import shard_range
 
@@ -69,12 +72,25 @@ TRANSPORT_ERRORS = (OSError, http.client.HTTPException, CoordinatorError)
 """Failures to get an answer (unreachable, reset, timed out, a broken answer, a 5xx)."""
 
 
+class TLSError(ConnectionError):
+    """The TLS handshake with the coordinator failed for a reason that retrying does not
+    change (its certificate refused, or no TLS at that address); the message says what to
+    fix. A transport error, so a running island keeps training and retries with backoff."""
+
+
 class Interrupted(ConnectionError):
     """A request stopped by :meth:`CoordinatorClient.interrupt` (its thread is being stopped)."""
 
 
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 """How a keep-alive connection that the server closed while idle fails on its next use."""
+
+
+def _tls_config_error(e: Exception) -> bool:
+    """A handshake that fails for a reason on one side's set-up, not a passing fault."""
+    return isinstance(e, ssl.SSLCertVerificationError) or (
+        isinstance(e, ssl.SSLError) and e.reason == "WRONG_VERSION_NUMBER"
+    )
 
 
 class Reply:
@@ -101,12 +117,16 @@ class CoordinatorClient:
         retries: int = 5,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
+        ca_file: str | None = None,
     ):
         self.url = url.rstrip("/")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"coordinator URL must be http(s)://HOST[:PORT], got {url!r}")
-        self._https = parts.scheme == "https"
+        self.ca_file = ca_file
+        # https: the certificate is checked against ca_file, else $DS_DILOCO_CA_FILE, else
+        # the system's CAs (ds_diloco/tls.py).
+        self._tls = tls.client_context(ca_file) if parts.scheme == "https" else None
         self._host, self._port = parts.hostname, parts.port
         self._prefix = parts.path
         self.timeout_s = timeout_s
@@ -130,15 +150,20 @@ class CoordinatorClient:
         ``timeout_s`` for a connection or an answer and retries ``retries`` times."""
         return CoordinatorClient(
             self.url, self._token, timeout_s=timeout_s, retries=retries,
-            backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
+            backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s, ca_file=self.ca_file,
         )  # fmt: skip
 
     # ------------------------------------------------------------ transport
     def _conn(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = self._local.conn = cls(self._host, self._port, timeout=self.timeout_s)
+            if self._tls is not None:
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.timeout_s, context=self._tls
+                )
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+            self._local.conn = conn
             with self._conns_lock:
                 self._conns[threading.current_thread()] = conn
         return conn
@@ -209,6 +234,8 @@ class CoordinatorClient:
                 if not connected or isinstance(e, TimeoutError):  # none, or no answer in time
                     self.unreachable = True  # (a hung coordinator accepts and never answers)
                 self._check_interrupt()  # woken by interrupt(): no retry, no backoff
+                if not connected and _tls_config_error(e):
+                    raise TLSError(tls.explain(e, self.url)) from None  # the same next time
                 if connected and isinstance(e, TimeoutError):
                     raise  # no answer in time: the request may be in progress, not retried
                 if sent and release:

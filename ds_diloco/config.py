@@ -156,8 +156,17 @@ class CoordinatorConfig:
     """Uptime is the share of windows of this many seconds in which some fragment advanced."""
     token: str | None = None
     """Bearer token; default: $DS_DILOCO_TOKEN, else a random one written to state_dir/token."""
+    tls_cert: str | None = None
+    """Serve HTTPS with this PEM certificate (chain) and ``tls_key``: islands on networks the
+    run does not own, where the token and the model must not travel in clear text. Islands
+    trust it through their ``coordinator_ca`` (``ds_diloco/tls.py``); ``ds-diloco run``'s
+    own islands trust this file."""
+    tls_key: str | None = None
+    """The private key (PEM, unencrypted) of ``tls_cert``."""
 
     def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
         if self.sync_every < 1:  # before the rules below, whose messages would mislead
@@ -193,6 +202,10 @@ class CoordinatorConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"plain_patterns: {pattern!r} is not a regex: {e}") from None
+
+    def url_at(self, host: str, port: int) -> str:
+        """This coordinator's URL when it listens at ``host:port``."""
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
 
     def resolve_token(self) -> str:
         """The bearer token: config, then environment, then state_dir/token (created)."""
@@ -360,6 +373,9 @@ class IslandConfig:
     """Progress records (progress.jsonl) and the summary go here."""
     token: str | None = None
     """Bearer token; default: $DS_DILOCO_TOKEN."""
+    coordinator_ca: str | None = None
+    """A PEM file of certificates trusted for an https:// coordinator's (its own self-signed
+    one, or its CA); default: $DS_DILOCO_CA_FILE, else the system's CAs."""
     start_together: int = 0
     """Before step 1, wait until this many islands of the run are ready too, so that they
     start in phase (``Learner.start_together``; ``ds-diloco run`` sets it to the run's
@@ -387,6 +403,11 @@ class IslandConfig:
         if not self.coordinator_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"coordinator_url must be http(s)://host:port, got {self.coordinator_url!r}"
+            )
+        if self.coordinator_ca and not self.coordinator_url.startswith("https://"):
+            raise ValueError(
+                f"coordinator_ca is set but coordinator_url {self.coordinator_url!r} is not "
+                "https://: the certificate would never be checked"
             )
 
     def resolve_token(self) -> str:
@@ -662,10 +683,23 @@ def load_coordinator_config(path: str | os.PathLike) -> CoordinatorConfig:
         raise ValueError("state_dir: an empty path; give the folder for the coordinator's state")
     if _relative(data.get("state_dir")):
         data["state_dir"] = str(base / data["state_dir"])
+    data = _resolve_paths(data, base, ("tls_cert", "tls_key"))
     cfg = from_dict(CoordinatorConfig, data)
     _check_model(cfg.model, "model")
     _check_state_dir(cfg.state_dir, "state_dir")
+    _check_tls(cfg, "")
     return cfg
+
+
+def _check_tls(cfg: CoordinatorConfig, where: str) -> None:
+    """The certificate and key load (a typo fails here, not after the islands started)."""
+    if cfg.tls_cert is not None:
+        from ds_diloco.tls import server_context
+
+        try:
+            server_context(cfg.tls_cert, cfg.tls_key)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
 
 
 def _check_state_dir(state_dir: str, where: str) -> None:
@@ -698,10 +732,11 @@ def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...], where: str = "
 
 # Paths resolved against the config file even when they do not exist yet: outputs, and
 # the DeepSpeed config (a file, never a name, checked at load where the file says).
-_ALWAYS = ("workdir", "cache_dir", "state_dir", "deepspeed_config")
+_ALWAYS = ("workdir", "cache_dir", "state_dir", "deepspeed_config", "coordinator_ca",
+           "tls_cert", "tls_key")  # fmt: skip
 # Paths that island configs and run files give relative to the file.
 FILE_PATHS = ("model.pretrained", "model.config", "deepspeed_config", "data.path",
-              "data.tokenizer", "data.cache_dir", "workdir")  # fmt: skip
+              "data.tokenizer", "data.cache_dir", "workdir", "coordinator_ca")  # fmt: skip
 
 
 def _check_model(model: ModelSource, where: str, contents: bool = False) -> None:
@@ -795,6 +830,13 @@ def load_island_config(path: str | os.PathLike) -> IslandConfig:
     base = Path(path).resolve().parent
     cfg = from_dict(IslandConfig, _resolve_paths(load_file(path), base, FILE_PATHS))
     _check_files(cfg)
+    if cfg.coordinator_ca is not None:
+        from ds_diloco.tls import client_context
+
+        try:
+            client_context(cfg.coordinator_ca)
+        except ValueError as e:
+            raise ValueError(f"coordinator_ca: {e}") from None
     return cfg
 
 
@@ -812,12 +854,14 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         raise ValueError("coordinator: expected a mapping")
     # Its model is the run's (refused if it differs), resolved like the run's.
     coord = _resolve_paths(
-        coord, base, ("state_dir", "model.pretrained", "model.config"), "coordinator."
-    )
+        coord, base, ("state_dir", "model.pretrained", "model.config", "tls_cert", "tls_key"),
+        "coordinator.",
+    )  # fmt: skip
     coord.setdefault("model", data["model"])
     coord.setdefault("state_dir", str(Path(workdir) / "state"))
     # The run's model first: its errors are named 'model', not 'coordinator.model'.
     cfg = from_dict(RunConfig, {"model": data["model"], **data, "coordinator": coord})
     _check_files(cfg)
     _check_state_dir(cfg.coordinator.state_dir, "coordinator.state_dir")
+    _check_tls(cfg.coordinator, "coordinator.")
     return cfg

@@ -143,7 +143,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         learner = Learner(
             engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
             alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
-            connect_timeout_s=cfg.connect_timeout_s,
+            connect_timeout_s=cfg.connect_timeout_s, ca_file=cfg.coordinator_ca,
         )  # fmt: skip
     start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
     # Step 1 with the run's other islands; a restarted one joins the running rounds in phase.

@@ -37,7 +37,7 @@ import weakref
 import torch.distributed as dist
 
 from ds_diloco import zero
-from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
+from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError, TLSError
 from ds_diloco.compress import Codec
 from ds_diloco.config import TOKEN_ENV
 from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 
 class LearnerError(RuntimeError):
     """This engine cannot join the run: the message says why (raised on every rank)."""
+
+    exit_code = 1
+    """``ds-diloco island``'s exit status: a failure that ``ds-diloco run`` restarts (the
+    coordinator may be back by then)."""
+
+
+class SetupError(LearnerError):
+    """Joining failed for a reason in the island's own set-up, the same on a restart (its
+    model is not the run's, the coordinator's certificate is not trusted)."""
+
+    exit_code = 2  # cli.INPUT_ERROR_EXIT: given up, not restarted
 
 
 def zero_stage(engine) -> int:
@@ -107,6 +118,7 @@ class Learner:
         alpha: float = 0.0,
         keep_local_steps: bool = False,
         connect_timeout_s: float = 30.0,
+        ca_file: str | None = None,
     ):
         stage = zero_stage(engine)
         if stage != 3:
@@ -130,14 +142,16 @@ class Learner:
         else:
             need_token()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.client = CoordinatorClient(coordinator, token)
+        # https: the coordinator's certificate is checked against ca_file, else
+        # $DS_DILOCO_CA_FILE, else the system's CAs.
+        self.client = CoordinatorClient(coordinator, token, ca_file=ca_file)
         sig = signature(param_specs(engine.module.named_parameters()))
         # Every failure below is agreed on by the whole island before anyone raises, so a
         # rank never waits forever in a collective that a failed rank will not join.
-        probe = CoordinatorClient(coordinator, token, retries=0, timeout_s=10.0)
+        probe = self.client.with_limits(timeout_s=10.0)
         info = self._all(lambda: self._reach(probe, connect_timeout_s))
         if info["signature"] != sig:  # the same plan on every rank: they all raise
-            raise LearnerError(
+            raise SetupError(
                 f"island {island!r}: parameter signature mismatch: the run's model has "
                 f"signature {info['signature'][:16]}, this engine's is {sig[:16]} "
                 f"(parameter names or shapes differ)"
@@ -178,11 +192,16 @@ class Learner:
                     f"island {self.island!r}: {probe.url} answered, but not as a ds_diloco "
                     f"coordinator ({e})"
                 ) from None
+            except TLSError as e:  # waiting would not change it
+                raise SetupError(f"island {self.island!r}: {e}") from None
             except TRANSPORT_ERRORS as e:
                 if time.monotonic() >= deadline:
+                    hint = ""
+                    if probe.url.startswith("http://") and isinstance(e, ConnectionResetError):
+                        hint = " (a coordinator serving TLS closes http:// connections: https?)"
                     raise LearnerError(
                         f"island {self.island!r}: coordinator {probe.url} not reachable "
-                        f"after {timeout_s:g} s: {e}"
+                        f"after {timeout_s:g} s: {e}{hint}"
                     ) from e
                 time.sleep(0.5)
                 continue

@@ -248,12 +248,14 @@ class LocalRun:
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
-        self.url = f"http://{host}:{port}"
+        self.url = c.url_at(host, port)
         self._mark("coordinator_spawned_s")
 
     def wait_for_coordinator(self) -> CoordinatorClient:
         """A client once the spawned coordinator answers (at most ``COORDINATOR_START_S``)."""
-        client = CoordinatorClient(self.url, self.token, retries=0, timeout_s=10)
+        client = CoordinatorClient(
+            self.url, self.token, retries=0, timeout_s=10, ca_file=self.cfg.coordinator.tls_cert
+        )
         deadline = time.monotonic() + COORDINATOR_START_S
         while time.monotonic() < deadline:
             if self.coordinator.poll() is not None:
@@ -283,6 +285,11 @@ class LocalRun:
     def _mark(self, what: str) -> None:
         self.startup.setdefault(what, round(time.monotonic() - self._t0, 2))
 
+    def _coordinator_ca(self, island: str) -> str | None:
+        """The coordinator's own certificate, trusted by the islands of its run."""
+        url = self.island_urls.get(island, self.url)
+        return self.cfg.coordinator.tls_cert if url.startswith("https://") else None
+
     def start_island(self, spec, shard: int, num_shards: int, plain: bool = False):
         """One island through the deepspeed launcher, in its own process group.
 
@@ -296,7 +303,7 @@ class LocalRun:
             model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
             data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
             workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
-            connect_timeout_s=ISLAND_CONNECT_S,
+            connect_timeout_s=ISLAND_CONNECT_S, coordinator_ca=self._coordinator_ca(spec.name),
         )  # fmt: skip
         (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
         port = spec.master_port or free_port()

@@ -18,12 +18,13 @@ import hmac
 import logging
 import math
 import signal
+import ssl
 import threading
 
 import numpy as np
 from aiohttp import web
 
-from ds_diloco import gc_tuning, wire
+from ds_diloco import gc_tuning, tls, wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.metrics import prometheus_text
@@ -360,14 +361,16 @@ class CoordinatorServer:
         published.set()  # wakes the long polls waiting for this merge
 
     # ------------------------------------------------------------ life cycle
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> tuple[str, int]:
         self._kick = asyncio.Event()
         self._published = asyncio.Event()  # set (and replaced) after every merge
         # aiohttp's default grace is 60 s, and islands keep sending long polls on their
         # keep-alive connections during it: a SIGTERM took a minute to save and exit.
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         self._round_task = asyncio.create_task(self._round_loop())
         bound = site._server.sockets[0].getsockname()
@@ -392,6 +395,14 @@ def build_server(cfg: CoordinatorConfig) -> CoordinatorServer:
     return CoordinatorServer(coord, cfg.resolve_token(), int(cfg.max_body_mb * 1024 * 1024))
 
 
+def _tls_context(cfg: CoordinatorConfig) -> ssl.SSLContext | None:
+    """HTTPS with the configured certificate; else a warning when others can listen in."""
+    warning = tls.clear_text_warning(cfg.host, cfg.tls_cert is not None)
+    if warning:
+        log.warning(warning)
+    return tls.server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+
+
 def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
     """Run until SIGTERM/SIGINT, then save the state and exit (the CLI's coordinator).
 
@@ -399,14 +410,15 @@ def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     async def main():
+        context = _tls_context(cfg)
         server = build_server(cfg)
         try:
-            host, port = await server.start(cfg.host, cfg.port)
+            host, port = await server.start(cfg.host, cfg.port, context)
         except OSError as e:  # taken, or a host that is not this machine's: one line
             raise ValueError(
                 f"coordinator cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}"
             ) from None
-        log.info("coordinator listening on http://%s:%d", host, port)
+        log.info("coordinator listening on %s", cfg.url_at(host, port))
         gc_tuning.resume_after_setup()
         if ready is not None:
             ready(host, port)
@@ -432,9 +444,9 @@ class ServerThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(self.server.start(cfg.host, cfg.port), self._loop)
-        self.host, self.port = fut.result(timeout=30)
-        self.url = f"http://{self.host}:{self.port}"
+        start = self.server.start(cfg.host, cfg.port, _tls_context(cfg))
+        self.host, self.port = asyncio.run_coroutine_threadsafe(start, self._loop).result(30)
+        self.url = cfg.url_at(self.host, self.port)
 
     def stop(self, save: bool = True) -> None:
         fut = asyncio.run_coroutine_threadsafe(self.server.stop(save=save), self._loop)

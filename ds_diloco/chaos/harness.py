@@ -108,8 +108,8 @@ class RunTarget:
 class Watcher:
     """Polls the coordinator: versions never go backwards, a served version never changes."""
 
-    def __init__(self, url: str, token: str, every_s: float = 0.25):
-        self.client = CoordinatorClient(url, token, retries=0, timeout_s=5)
+    def __init__(self, url: str, token: str, every_s: float = 0.25, ca_file: str | None = None):
+        self.client = CoordinatorClient(url, token, retries=0, timeout_s=5, ca_file=ca_file)
         self.every_s = every_s
         self.max_seen: list[int] | None = None
         self.backwards: list[dict] = []
@@ -313,11 +313,13 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     watcher = injector = schedule_t0 = None
     try:  # the islands start up while the coordinator does
         lr.spawn_coordinator()
-        proxies = {s.name: ChaosProxy("127.0.0.1", lr._port).start() for s in cfg.islands}
+        scheme = lr.url.partition("://")[0]
+        proxies = {s.name: ChaosProxy("127.0.0.1", lr._port, scheme=scheme).start()
+                   for s in cfg.islands}  # fmt: skip
         lr.island_urls = {name: p.url for name, p in proxies.items()}
         lr.start_islands()
         client = lr.wait_for_coordinator()
-        watcher = Watcher(lr.url, lr.token).start()
+        watcher = Watcher(lr.url, lr.token, ca_file=cfg.coordinator.tls_cert).start()
         if schedule is not None:
             _until_training(lr)
             schedule_t0 = time.monotonic() - watcher.t0

@@ -69,7 +69,9 @@ class ChaosProxy:
         chunk_bytes: int = 256 * 1024,
         max_inflight_bytes: int = 8 * 1024 * 1024,
         connect_timeout_s: float = 10.0,
+        scheme: str = "http",
     ):
+        self.scheme = scheme  # the target's; TLS passes through the proxy untouched
         if chunk_bytes < 1:
             raise ValueError(f"ChaosProxy.chunk_bytes must be >= 1, got {chunk_bytes}")
         if max_inflight_bytes < chunk_bytes:
@@ -147,10 +149,10 @@ class ChaosProxy:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:<port>``: what the island should use as the coordinator's URL."""
+        """``http(s)://127.0.0.1:<port>``: what the island should use as the coordinator's URL."""
         if self.port is None:
             raise RuntimeError("ChaosProxy not started")
-        return f"http://{self.listen_host}:{self.port}"
+        return f"{self.scheme}://{self.listen_host}:{self.port}"
 
     @property
     def target(self) -> tuple[str, int]:

@@ -1,0 +1,247 @@
+"""TLS between islands and the coordinator: real certificates (trustme), a real server.
+
+Islands in other datacenters reach the coordinator over networks the run does not own:
+the coordinator serves HTTPS with tls_cert/tls_key, and clients check its certificate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trustme
+
+from ds_diloco import tls, wire
+from ds_diloco.client import CoordinatorClient, RefusedError, TLSError, rank_slices
+from ds_diloco.config import (
+    CoordinatorConfig,
+    IslandConfig,
+    ModelSource,
+    load_coordinator_config,
+    load_island_config,
+    load_run_config,
+)
+from ds_diloco.fragments import FragmentPlan
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "tls-test-token"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A private CA, and a certificate it issued for 127.0.0.1 (and a second, unrelated key)."""
+    d = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    leaf.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(d / "key.pem"))
+    ca.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(d / "other-key.pem"))
+    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
+    return d
+
+
+def coordinator_cfg(tiny_config_path, state_dir, certs=None, **kw) -> CoordinatorConfig:
+    tls_files = {}
+    if certs is not None:
+        tls_files = {"tls_cert": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem")}
+    return CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(state_dir),
+        num_fragments=2, sync_every=4, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token=TOKEN, **tls_files, **kw,
+    )  # fmt: skip
+
+
+def test_a_round_goes_through_https_and_the_download_is_the_global_model(
+    certs, tiny_config_path, tmp_path
+):
+    with ServerThread(coordinator_cfg(tiny_config_path, tmp_path / "s", certs)) as srv:
+        assert srv.url.startswith("https://127.0.0.1:")
+        # Trusting the private CA, or the coordinator's own certificate (partial chain).
+        for ca_file in ("ca.pem", "cert.pem"):
+            client = CoordinatorClient(srv.url, TOKEN, retries=0, ca_file=str(certs / ca_file))
+            assert client.health()["ok"]
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        inc = client.register("a", 1, plan.signature)["incarnation"]
+        theta = srv.coord.global_tensors()
+        g = torch.Generator().manual_seed(0)
+        delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in theta.items()}
+        frag = plan.fragments[0]
+        header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                                   step=2, tokens=512, steps=2, incarnation=inc)  # fmt: skip
+        assert client.upload(header, rank_slices(frag, delta, 1, 0))["status"] == "accepted"
+        deadline = time.monotonic() + 20
+        while client.versions()[0] != 1:
+            assert time.monotonic() < deadline, client.versions()
+            time.sleep(0.05)
+        version, got = client.download(0, 1, 0)
+        merged = srv.coord.global_tensors()
+        assert version == 1
+        for p in frag.params:  # what came over TLS is the merged global value, bit for bit
+            assert torch.equal(got[p.name], merged[p.name].reshape(-1)), p.name
+            assert not torch.equal(merged[p.name], theta[p.name]), p.name  # and it moved
+        # The token is still required over TLS.
+        with pytest.raises(RefusedError) as e:
+            CoordinatorClient(srv.url, "wrong", retries=0, ca_file=str(certs / "ca.pem")).status()
+        assert e.value.status == 401
+
+
+def test_an_untrusted_certificate_is_one_clear_error_at_once_and_the_env_var_trusts_it(
+    certs, tiny_config_path, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(tls.CA_FILE_ENV, raising=False)
+    with ServerThread(coordinator_cfg(tiny_config_path, tmp_path / "s", certs)) as srv:
+        client = CoordinatorClient(srv.url, TOKEN, retries=3, backoff_s=1.0)  # system CAs only
+        t0 = time.monotonic()
+        with pytest.raises(TLSError) as e:
+            client.health()
+        assert time.monotonic() - t0 < 1.0  # not retried: a retry would be refused the same
+        assert "certificate was refused" in str(e.value) and "coordinator_ca" in str(e.value)
+        assert isinstance(e.value, OSError)  # a transport error: a running island retries
+        monkeypatch.setenv(tls.CA_FILE_ENV, str(certs / "ca.pem"))
+        assert CoordinatorClient(srv.url, TOKEN, retries=0).health()["ok"]
+        # A client that speaks plain HTTP gets no answer from a TLS coordinator.
+        with pytest.raises(ConnectionResetError):
+            CoordinatorClient(srv.url.replace("https://", "http://"), TOKEN, retries=0).health()
+
+
+def test_https_to_a_coordinator_without_tls_says_so(certs, tiny_config_path, tmp_path):
+    with ServerThread(coordinator_cfg(tiny_config_path, tmp_path / "s")) as srv:
+        assert srv.url.startswith("http://")
+        url = srv.url.replace("http://", "https://")
+        with pytest.raises(TLSError, match="does not speak TLS: use http://"):
+            CoordinatorClient(url, TOKEN, retries=3, ca_file=str(certs / "ca.pem")).health()
+
+
+def test_tls_settings_are_checked_when_loaded(certs, tiny_config_path, tmp_path):
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        CoordinatorConfig(model=ModelSource(config=tiny_config_path), state_dir=str(tmp_path),
+                          tls_cert=str(certs / "cert.pem"))  # fmt: skip
+    # Paths relative to the file; a typo or a key of another certificate fails at load.
+    (tmp_path / "c").mkdir()
+    for name in ("cert.pem", "key.pem", "other-key.pem"):
+        (tmp_path / "c" / name).write_bytes((certs / name).read_bytes())
+    base = {"model": {"config": tiny_config_path}, "state_dir": "state"}
+    path = tmp_path / "coordinator.json"
+    path.write_text(json.dumps({**base, "tls_cert": "c/cert.pem", "tls_key": "c/key.pem"}))
+    cfg = load_coordinator_config(path)
+    assert cfg.tls_cert == str(tmp_path / "c" / "cert.pem") and cfg.url_at("h", 1) == "https://h:1"
+    path.write_text(json.dumps({**base, "tls_cert": "c/cert.pm", "tls_key": "c/key.pem"}))
+    with pytest.raises(ValueError, match=r"^tls_cert '.*c/cert.pm' does not exist"):
+        load_coordinator_config(path)
+    path.write_text(json.dumps({**base, "tls_cert": "c/cert.pem", "tls_key": "c/other-key.pem"}))
+    with pytest.raises(ValueError, match="are not a PEM certificate and its private key"):
+        load_coordinator_config(path)
+    # In a run file, named as the coordinator's.
+    run = _run_file(tmp_path, tiny_config_path, certs, steps=1)
+    data = json.loads(run.read_text())
+    data["coordinator"]["tls_key"] = str(certs / "missing.pem")
+    run.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"^coordinator\.tls_key '.*missing.pem' does not exist"):
+        load_run_config(run)
+    # An island: a CA file only with https://, and one that exists.
+    island = {"island": "a", "model": {"config": tiny_config_path},
+              "deepspeed_config": str(REPO / "model_configs/deepspeed/zero3_cpu.json"),
+              "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512}}  # fmt: skip
+    with pytest.raises(ValueError, match="coordinator_ca is set but coordinator_url"):
+        IslandConfig(**{**island, "coordinator_url": "http://10.0.0.1:8470",
+                        "model": ModelSource(config=tiny_config_path),
+                        "data": None, "coordinator_ca": "ca.pem"})  # fmt: skip
+    path = tmp_path / "island.json"
+    path.write_text(json.dumps({**island, "coordinator_url": "https://10.0.0.1:8470",
+                                "coordinator_ca": "ca.pem"}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^coordinator_ca: CA file '.*ca.pem' .* does not exist"):
+        load_island_config(path)
+
+
+def test_a_coordinator_others_can_reach_without_tls_is_warned_about():
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert tls.clear_text_warning(host, tls=False) is None, host
+    for host in ("0.0.0.0", "", "10.0.0.1", "coord.example.org"):
+        assert "clear text" in tls.clear_text_warning(host, tls=False), host
+        assert tls.clear_text_warning(host, tls=True) is None
+
+
+def _run_file(tmp_path, tiny_config_path, certs, steps) -> Path:
+    run = {
+        "workdir": str(tmp_path / "run"),
+        "model": {"config": tiny_config_path, "seed": 0},
+        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
+                 "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
+        "train": {"steps": steps, "micro_batch": 4, "lr": 3e-3, "log_every": 2},
+        "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
+        "coordinator": {"num_fragments": 2, "sync_every": 2,
+                        "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1},
+                        "tls_cert": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem")},
+        "export": False,
+    }  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_a_run_with_a_tls_coordinator_trains_and_merges_over_https(
+    certs, tiny_config_path, tmp_path, monkeypatch
+):
+    # Real islands (deepspeed launcher, ZeRO-3 on gloo) reach the run's own coordinator
+    # over HTTPS, trusting its certificate file; nothing else is trusted.
+    monkeypatch.delenv(tls.CA_FILE_ENV, raising=False)
+    run = _run_file(tmp_path, tiny_config_path, certs, steps=6)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_diloco.cli", "run", str(run)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    work = tmp_path / "run"
+    logs = "".join(p.read_text()[-2000:] for p in work.glob("islands/*/log.txt"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    for name in ("a", "b"):
+        island = json.loads((work / "islands" / name / "island.json").read_text())
+        assert island["coordinator_url"].startswith("https://127.0.0.1:"), island
+        assert island["coordinator_ca"] == str(certs / "cert.pem")
+    summary = json.loads((work / "summary.json").read_text())
+    assert min(summary["merges"]) >= 2, summary["merges"]
+    assert "coordinator listening on https://" in (work / "coordinator.log").read_text()
+
+
+def test_an_island_that_does_not_trust_the_coordinator_is_given_up_with_one_line(
+    certs, tiny_config_path, tmp_path, monkeypatch
+):
+    # A certificate refused is the island's set-up, not a passing fault: exit 2, which
+    # ds-diloco run does not restart (it restarted such an island until max_restarts).
+    monkeypatch.delenv(tls.CA_FILE_ENV, raising=False)
+    with ServerThread(coordinator_cfg(tiny_config_path, tmp_path / "s", certs)) as srv:
+        island = {"island": "a", "coordinator_url": srv.url, "token": TOKEN,
+                  "coordinator_ca": str(certs / "other-ca.pem"), "connect_timeout_s": 90,
+                  "model": {"config": tiny_config_path},
+                  "deepspeed_config": str(REPO / "model_configs/deepspeed/zero3_cpu.json"),
+                  "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512,
+                           "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
+                  "train": {"steps": 2, "micro_batch": 4}, "workdir": str(tmp_path / "w")}  # fmt: skip
+        (tmp_path / "island.json").write_text(json.dumps(island))
+        port = socket.socket()
+        port.bind(("127.0.0.1", 0))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
+               "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port.getsockname()[1])}  # fmt: skip
+        port.close()
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_diloco.cli", "island", "--config",
+             str(tmp_path / "island.json")], env=env, capture_output=True, text=True, timeout=150,
+        )  # fmt: skip
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 2, out
+    assert "ds-diloco island: island 'a': TLS with the coordinator at https://" in proc.stderr, out
+    assert "certificate was refused" in proc.stderr and "Traceback" not in proc.stderr, out
+    assert time.monotonic() - t0 < 60  # at once, not after 90 s of retries
+    assert "a" not in srv.coord.status()["islands"]
