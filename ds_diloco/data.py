@@ -1,9 +1,12 @@
 """Real text for the islands: files -> records -> BPE tokenizer -> packed blocks -> batches.
 
-The corpus is tokenised once into one ``(N, seq_len + 1)`` int64 tensor of
-fixed-length blocks, cached on disk. Every island and rank derives its share
-from that same tensor with pure functions, so no one has to talk to agree on
-who trains on what::
+The corpus is tokenised once, streamed to a flat file of token ids (uint16, or
+int32 for vocabularies above 65,536) in the cache, and read through a memory
+map as :class:`Blocks` of ``seq_len + 1`` tokens: every rank of a node shares
+the same page cache, and a rank's memory holds only the blocks it reads, not
+the corpus (a 40 MB corpus cost each rank 215 MB as int64 tensors). Every
+island and rank derives its share from the same blocks with pure functions, so
+no one has to talk to agree on who trains on what::
 
     tokenizer, blocks = prepare_corpus(corpus_dir, cache_dir, vocab_size, seq_len)
     train, heldout = heldout_split(blocks, 0.01, seed=0)   # same call on every island
@@ -16,8 +19,8 @@ name that is not a local path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import os
 import re
@@ -275,8 +278,28 @@ def load_text_dataset(
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def pack(dataset: datasets.Dataset, tokenizer, seq_len: int, *, num_proc: int = 1) -> torch.Tensor:
-    """Tokenise, end each record with eos, concatenate, cut into ``seq_len + 1`` blocks.
+ENCODE_BATCH = 1024
+"""Records tokenised per call (the fast tokenizer spreads a batch over its threads)."""
+
+
+def _encoded(dataset: datasets.Dataset, tokenizer) -> Iterator[np.ndarray]:
+    """Each batch of records as token ids, every record ended with eos; empty ones skipped."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("pack: the tokenizer has no eos token")
+    for batch in dataset.iter(batch_size=ENCODE_BATCH):
+        texts = [t for t in batch["text"] if t and t.strip()]
+        if texts:
+            flat: list[int] = []
+            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                flat += ids
+                flat.append(eos)
+            yield np.array(flat, np.int64)
+
+
+def pack(dataset: datasets.Dataset, tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenise, end each record with eos, concatenate, cut into ``seq_len + 1`` blocks,
+    in memory (a small corpus; :func:`prepare_corpus` streams to a file instead).
 
     Returns an int64 tensor ``(N, seq_len + 1)``: inputs are ``[:, :-1]``, labels
     ``[:, 1:]``; blocks cross record boundaries (the eos marks them) and the tail
@@ -284,35 +307,121 @@ def pack(dataset: datasets.Dataset, tokenizer, seq_len: int, *, num_proc: int = 
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be at least 1")
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("pack: the tokenizer has no eos token")
+    ids = np.concatenate([np.zeros(0, np.int64), *_encoded(dataset, tokenizer)])
+    return _as_blocks_tensor(torch.from_numpy(ids), seq_len)
 
-    def encode(batch):
-        texts = [t for t in batch["text"] if t and t.strip()]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        return {"input_ids": [[*x, eos] for x in ids]}
 
-    tokenized = dataset.map(
-        encode,
-        batched=True,
-        num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=dataset.column_names,
-        keep_in_memory=True,  # the result becomes a tensor anyway; no cache files
-    )
-    if "input_ids" in tokenized.column_names:
-        column = tokenized.with_format("arrow")["input_ids"]
-        ids = column.combine_chunks().flatten().to_numpy().astype(np.int64, copy=False)
-    else:  # no record had text (or there were none): map never made the column
-        ids = np.zeros(0, np.int64)
+def _as_blocks_tensor(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     block = seq_len + 1
     n = len(ids) // block
     if n == 0:
         raise ValueError(f"pack: {len(ids)} tokens do not fill one block of {block}")
-    return torch.from_numpy(ids[: n * block].copy()).view(n, block)
+    return ids[: n * block].view(n, block)
 
 
-def split_blocks(blocks: torch.Tensor, num_shards: int, shard: int) -> torch.Tensor:
+def token_dtype(tokenizer) -> np.dtype:
+    """The narrowest dtype of the token file that holds every id of ``tokenizer``."""
+    return np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.int32)
+
+
+def write_tokens(dataset: datasets.Dataset, tokenizer, path: str | os.PathLike) -> int:
+    """Stream the corpus's token ids (records ended with eos) to ``path`` as
+    :func:`token_dtype` values, one batch of records at a time: memory stays one batch
+    however large the corpus. Written to a temporary file, then renamed into place (ranks
+    may call it at once). Returns the number of tokens."""
+    path = Path(path)
+    dtype = token_dtype(tokenizer)
+    top = np.iinfo(dtype).max
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    count = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for ids in _encoded(dataset, tokenizer):
+                if len(ids) and (ids.max() > top or ids.min() < 0):
+                    raise ValueError(
+                        f"token id {int(ids.max())} does not fit the token file's {dtype} "
+                        f"(len(tokenizer) = {len(tokenizer)})"
+                    )
+                f.write(ids.astype(dtype).tobytes())
+                count += len(ids)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return count
+
+
+def read_blocks(path: str | os.PathLike, seq_len: int, dtype: np.dtype | str) -> Blocks:
+    """The blocks of a token file (:func:`write_tokens`), memory-mapped: nothing is read
+    until a block is used, and the pages are the node's page cache, shared by its ranks."""
+    dtype = np.dtype(dtype)
+    count = os.path.getsize(path) // dtype.itemsize
+    if count < seq_len + 1:
+        raise ValueError(f"pack: {count} tokens do not fill one block of {seq_len + 1}")
+    # shared=False: a private mapping, so no write through a view can reach the file.
+    ids = torch.from_file(str(path), shared=False, size=count, dtype=_TORCH_DTYPES[dtype])
+    return Blocks(_as_blocks_tensor(ids, seq_len))
+
+
+_TORCH_DTYPES = {np.dtype(np.uint16): torch.uint16, np.dtype(np.int32): torch.int32}
+
+
+class Blocks:
+    """Fixed-length token blocks: rows of a (memory-mapped) token array, chosen by index.
+
+    Taking a slice or an index array of it is a view (a new index, no tokens copied), so
+    the held-out split and the islands' and ranks' shares cost no copy of the corpus.
+    ``blocks[i]`` is one block and :meth:`tensor` all of them, as int64 tensors; ``len``
+    and ``shape`` are those of the ``(N, seq_len + 1)`` tensor it stands for.
+    """
+
+    def __init__(self, rows: torch.Tensor, index: np.ndarray | None = None):
+        if rows.ndim != 2:
+            raise ValueError(f"Blocks: rows must be (N, seq_len + 1), got {tuple(rows.shape)}")
+        self.rows = rows
+        self.index = np.arange(len(rows)) if index is None else index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.index), self.rows.shape[1]
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            return self.rows[int(self.index[key])].long()
+        if isinstance(key, torch.Tensor):
+            key = key.numpy()
+        return Blocks(self.rows, self.index[key])
+
+    def take(self, positions: np.ndarray) -> torch.Tensor:
+        """The blocks at ``positions`` (of this view), as one int64 ``(k, seq_len + 1)``."""
+        return self.rows[torch.from_numpy(self.index[positions])].long()
+
+    def tensor(self) -> torch.Tensor:
+        """Every block of this view as one int64 tensor (a copy: for small sets)."""
+        return self.take(np.arange(len(self.index)))
+
+
+BlocksLike = Blocks | torch.Tensor
+"""What the functions below take: :class:`Blocks`, or a tensor of blocks in memory."""
+
+
+def as_tensor(blocks: BlocksLike) -> torch.Tensor:
+    """``blocks`` as an int64 tensor (a :class:`Blocks` view is read; a tensor is itself)."""
+    return blocks.tensor() if isinstance(blocks, Blocks) else blocks
+
+
+def split_blocks(blocks: BlocksLike, num_shards: int, shard: int) -> BlocksLike:
     """Every ``num_shards``-th block from ``shard``: disjoint shards whose union is all.
 
     Strided rather than contiguous so each shard samples the whole corpus (every
@@ -351,10 +460,9 @@ def check_shards(train_blocks: int, world_sizes: dict[str, int]) -> None:
             )
 
 
-def heldout_split(
-    blocks: torch.Tensor, fraction: float, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, heldout): a seeded random ``fraction`` of blocks held out, order kept.
+def heldout_split(blocks: BlocksLike, fraction: float, seed: int) -> tuple[BlocksLike, BlocksLike]:
+    """(train, heldout): a seeded random ``fraction`` of blocks held out, order kept
+    (of :class:`Blocks`, two views; of a tensor, two tensors).
 
     Call it with the same seed everywhere before :func:`split_blocks`, so no
     island trains on another's evaluation blocks.
@@ -370,7 +478,7 @@ def heldout_split(
     return blocks[torch.from_numpy(train)], blocks[torch.from_numpy(held)]
 
 
-def eval_blocks(heldout: torch.Tensor, rank: int, world: int, limit: int) -> torch.Tensor:
+def eval_blocks(heldout: BlocksLike, rank: int, world: int, limit: int) -> torch.Tensor:
     """A rank's held-out blocks to evaluate: the same number on every rank, never none.
 
     Under ZeRO-3 every forward gathers parameters with a collective, so the ranks
@@ -381,8 +489,8 @@ def eval_blocks(heldout: torch.Tensor, rank: int, world: int, limit: int) -> tor
     """
     n = min(len(heldout) // world, limit)
     if n == 0:
-        return heldout[:limit]
-    return heldout[rank::world][:n]
+        return as_tensor(heldout[:limit])
+    return as_tensor(heldout[rank::world][:n])
 
 
 class BlockLoader:
@@ -400,13 +508,15 @@ class BlockLoader:
     unit of DiLoCo's token weighting.
     """
 
-    def __init__(self, blocks: torch.Tensor, micro_batch_size: int, *, seed: int = 0):
+    def __init__(self, blocks: BlocksLike, micro_batch_size: int, *, seed: int = 0):
         if blocks.ndim != 2 or len(blocks) == 0 or blocks.shape[1] < 2:
             raise ValueError(
                 f"blocks: need a non-empty (N, seq_len + 1), got {tuple(blocks.shape)}"
             )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be at least 1")
+        if not isinstance(blocks, Blocks):  # a tensor of blocks, in memory
+            blocks = Blocks(blocks)
         self.blocks, self.micro_batch_size, self.seed = blocks, micro_batch_size, seed
         self.epoch = self.position = self.tokens_seen = 0
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
@@ -430,7 +540,7 @@ class BlockLoader:
             self.position += len(take)
             if self.position == len(self.blocks):
                 self.epoch, self.position = self.epoch + 1, 0
-        batch = self.blocks[torch.from_numpy(np.concatenate(picked))]
+        batch = self.blocks.take(np.concatenate(picked))
         self.tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
@@ -467,13 +577,13 @@ def prepare_corpus(
     text_field: str = "text",
     split: str = "train",
 ):
-    """Text -> (tokenizer, packed blocks), both cached under ``cache_dir``.
+    """Text -> (tokenizer, :class:`Blocks`), the tokenizer and the tokens cached under ``cache_dir``.
 
     ``source`` is anything :func:`load_text_dataset` takes. Without ``tokenizer``
     (a Hugging Face tokenizer folder) a byte-level BPE is trained on the local
     text files. The blocks are cached under a key made of the corpus fingerprint
-    (its files' paths, sizes and mtimes, or a hub dataset's name), the tokenizer's
-    content and ``seq_len``, so a second call only loads.
+    (its files' paths, sizes and mtimes, or a hub dataset's name) and the tokenizer's
+    content, so a second call (with any ``seq_len``) only maps the token file.
     Safe to call from every rank at once (writes are atomic), cheaper one at a time.
     """
     from transformers import AutoTokenizer
@@ -503,14 +613,13 @@ def prepare_corpus(
         )
     key = {**corpus, "text_field": text_field, **({"split": split} if split != "train" else {})}
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    path = cache / f"blocks-{key}-seq{seq_len}.pt"
-    if path.is_file():
-        return tok, torch.load(path)
-    blocks = pack(load_text_dataset(source, text_field=text_field, split=split), tok, seq_len)
-    buf = io.BytesIO()
-    torch.save(blocks, buf)
-    atomic_write(path, buf.getvalue())
-    return tok, blocks
+    dtype = token_dtype(tok)
+    path = cache / f"tokens-{key}.{dtype.name}"  # any seq_len reads the same tokens
+    if not path.is_file():
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len}: must be at least 1")
+        write_tokens(load_text_dataset(source, text_field=text_field, split=split), tok, path)
+    return tok, read_blocks(path, seq_len, dtype)
 
 
 def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:

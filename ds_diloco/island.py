@@ -24,7 +24,14 @@ import torch
 
 from ds_diloco import gc_tuning, zero
 from ds_diloco.config import IslandConfig
-from ds_diloco.data import BlockLoader, eval_blocks, heldout_split, prepare_corpus, split_blocks
+from ds_diloco.data import (
+    BlockLoader,
+    Blocks,
+    eval_blocks,
+    heldout_split,
+    prepare_corpus,
+    split_blocks,
+)
 from ds_diloco.hf_model import lm_loss
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
@@ -33,8 +40,9 @@ from ds_diloco.syncer import Diverged
 log = logging.getLogger(__name__)
 
 
-def load_blocks(cfg: IslandConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's training blocks, held-out blocks); rank 0 fills the cache first."""
+def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
+    """(this rank's training blocks, held-out blocks), views of the memory-mapped cached
+    tokens (no copy of the corpus per rank); rank 0 fills the cache first."""
     d = cfg.data
     if rank != 0:
         zero.barrier()
@@ -64,7 +72,7 @@ def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:
 
 
 @torch.no_grad()
-def heldout_loss(engine, heldout: torch.Tensor, micro_batch: int, batches: int) -> float:
+def heldout_loss(engine, heldout: Blocks, micro_batch: int, batches: int) -> float:
     """Mean held-out loss over the island (each rank its ``eval_blocks``; one all-reduce)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = eval_blocks(heldout, rank, world, micro_batch * batches)

@@ -868,6 +868,7 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
 def run(cfg: RunConfig, resume: bool = False) -> int:
     """A whole run; ``resume`` continues a stopped one (see the module docstring)."""
     from ds_diloco.data import (
+        as_tensor,
         check_shards,
         check_source,
         heldout_split,
@@ -897,7 +898,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             check_islands_inputs(cfg)
-            heldout = heldout[:64]
+            heldout = as_tensor(heldout[:64])
             code, final_status = _drive(cfg, lr, point)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)

@@ -61,7 +61,7 @@ def main() -> None:
     model_config = AutoConfig.from_pretrained(args.model_config)
     model = AutoModelForCausalLM.from_config(model_config)  # partitioned: ZeRO-3 is on
     _, blocks = prepare_corpus(args.text, args.cache_dir, model_config.vocab_size, args.seq_len)
-    train = datasets.Dataset.from_dict({"input_ids": blocks.tolist()}).map(
+    train = datasets.Dataset.from_dict({"input_ids": blocks.tensor().tolist()}).map(
         lambda b: {"labels": b["input_ids"]}  # the model shifts the labels itself
     )
     diloco = ds_diloco.DiLoCoCallback(args.coordinator, island=args.island)  # ds_diloco

@@ -20,7 +20,7 @@ from ds_diloco.chaos import harness
 from ds_diloco.chaos.harness import run_diloco
 from ds_diloco.chaos.schedule import Event, Schedule
 from ds_diloco.config import load_run_config
-from ds_diloco.data import heldout_split, prepare_corpus
+from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
 from ds_diloco.run import LocalRun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_islands_and_coordinator_die_stall_and_come_back(tmp_path, tiny_config_p
     ])  # fmt: skip
     d = cfg.data
     _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len)
-    heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:16]
+    heldout = as_tensor(heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:16])
 
     r = run_diloco(cfg, schedule, tmp_path / "chaos", heldout)
 

@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -197,7 +198,7 @@ def test_corpus_cache_sees_same_size_edits_and_other_folders(tmp_path):
     twin_tok, twin_blocks = data.prepare_corpus(twin, cache, VOCAB, 32)
     assert data.tokenizer_dir(cache, twin, VOCAB) != tok_dir
     assert twin_tok.get_vocab() != tok.get_vocab()
-    assert "QZQZ" in twin_tok.decode(twin_blocks.flatten().tolist())
+    assert "QZQZ" in twin_tok.decode(twin_blocks.tensor().flatten().tolist())
 
     path = corpus / "sonnets.txt"
     path.write_text(edit)  # in place, same size; the mtime moves on by a second at least
@@ -205,7 +206,7 @@ def test_corpus_cache_sees_same_size_edits_and_other_folders(tmp_path):
     assert data.tokenizer_dir(cache, corpus, VOCAB) != tok_dir
     tok2, blocks2 = data.prepare_corpus(corpus, cache, VOCAB, 32)
     assert tok2.get_vocab() == twin_tok.get_vocab()
-    decoded = tok2.decode(blocks2.flatten().tolist())
+    decoded = tok2.decode(blocks2.tensor().flatten().tolist())
     assert "QZQZ" in decoded and "thee" not in decoded
 
 
@@ -338,12 +339,13 @@ def test_prepare_corpus_caches_blocks(tmp_path, monkeypatch):
     tok, blocks = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
     assert blocks.shape[1] == 33 and len(tok) == VOCAB
 
-    monkeypatch.setattr(data, "pack", lambda *a, **k: pytest.fail("packed again"))
+    monkeypatch.setattr(data, "write_tokens", lambda *a, **k: pytest.fail("tokenised again"))
     tok2, again = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
-    assert torch.equal(again, blocks) and tok2.get_vocab() == tok.get_vocab()
-    monkeypatch.undo()
-    _, longer = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 64)  # new seq_len: new key
+    assert torch.equal(again.tensor(), blocks.tensor()) and tok2.get_vocab() == tok.get_vocab()
+    # Another seq_len cuts the same cached tokens differently.
+    _, longer = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 64)
     assert longer.shape[1] == 65
+    assert torch.equal(longer.tensor().flatten(), blocks.tensor().flatten()[: len(longer) * 65])
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 9, 40])
@@ -401,9 +403,10 @@ def test_blocks_cache_sees_a_dataset_or_tokenizer_rewritten_in_place(tmp_path, m
     cache = ds_dir / "cache"  # inside the folder: its blocks must not move the key
     tok, first = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
     with monkeypatch.context() as m:
-        m.setattr(data, "pack", lambda *a, **k: pytest.fail("packed again"))
+        m.setattr(data, "write_tokens", lambda *a, **k: pytest.fail("tokenised again"))
         assert torch.equal(
-            data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)[1], first
+            data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)[1].tensor(),
+            first.tensor(),
         )
 
     def fresh():
@@ -414,14 +417,14 @@ def test_blocks_cache_sees_a_dataset_or_tokenizer_rewritten_in_place(tmp_path, m
             f.unlink()
     datasets.Dataset.from_dict({"text": paragraphs[:20]}).save_to_disk(str(ds_dir))
     _, second = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
-    assert len(second) < len(first) and torch.equal(second, fresh())
+    assert len(second) < len(first) and torch.equal(second.tensor(), fresh())
 
     upper = tmp_path / "upper.txt"
     upper.write_text(SONNETS.read_text().upper())
     shutil.rmtree(tok_dir)
     data.train_tokenizer([upper], VOCAB, tok_dir)
     tok, third = data.prepare_corpus(ds_dir, cache, VOCAB, 32, tokenizer=tok_dir)
-    assert not torch.equal(third, second) and torch.equal(third, fresh())
+    assert not torch.equal(third.tensor(), second.tensor()) and torch.equal(third.tensor(), fresh())
 
 
 def test_read_text_keeps_utf8_with_a_stray_byte_and_reads_cp1252(tmp_path):
@@ -445,3 +448,51 @@ def test_pack_and_prepare_corpus_refuse_a_corpus_without_text(tmp_path, tokenize
     (corpus / "blank.txt").write_text("\n\n  \n")
     with pytest.raises(ValueError, match="0 tokens do not fill one block"):
         data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
+
+
+def test_prepared_blocks_are_the_packed_ones_memory_mapped_and_shared_by_views(tmp_path):
+    # The corpus as int64 tensors cost every rank its size eight times over, twice
+    # (the blocks, and the training split's copy): 215 MB a rank for a 40 MB corpus.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(SONNETS, corpus / "sonnets.txt")
+    tok, blocks = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 16)
+    [path] = (tmp_path / "cache").glob("tokens-*.uint16")
+    packed = data.pack(data.load_text_dataset(corpus), tok, seq_len=16)
+    assert len(packed) == path.stat().st_size // 2 // 17  # every token, two bytes each
+    assert isinstance(blocks, data.Blocks) and blocks.rows.dtype == torch.uint16
+    assert torch.equal(blocks.tensor(), packed) and blocks.tensor().dtype == torch.int64
+    assert blocks.shape == tuple(packed.shape) and torch.equal(blocks[3], packed[3])
+
+    # Splits and shares are views of the same mapped rows, equal to the tensor's.
+    train, held = data.heldout_split(blocks, 0.1, seed=3)
+    t_train, t_held = data.heldout_split(packed, 0.1, seed=3)
+    mine = data.split_blocks(data.split_blocks(train, 3, 1), 2, 1)
+    t_mine = data.split_blocks(data.split_blocks(t_train, 3, 1), 2, 1)
+    for view, tensor in ((train, t_train), (held, t_held), (mine, t_mine)):
+        assert view.rows is blocks.rows  # no copy of the corpus
+        assert torch.equal(view.tensor(), tensor)
+    assert torch.equal(data.eval_blocks(held, 1, 2, 5), data.eval_blocks(t_held, 1, 2, 5))
+    a, b = data.BlockLoader(mine, 3, seed=5), data.BlockLoader(t_mine, 3, seed=5)
+    for _ in range(7):
+        (xa, ya), (xb, yb) = next(a), next(b)
+        assert xa.dtype == torch.int64 and torch.equal(xa, xb) and torch.equal(ya, yb)
+
+    # Written through a view, a block stays as the file has it (a private mapping).
+    row = blocks.rows[0].clone()
+    blocks.rows[0].fill_(7)
+    assert torch.equal(data.read_blocks(path, 16, "uint16").rows[0], row)
+
+
+def test_a_vocabulary_beyond_uint16_gets_an_int32_token_file(tmp_path, tokenizer):
+    class Wide:  # len() is all token_dtype reads
+        def __len__(self):
+            return 70_000
+
+    assert data.token_dtype(tokenizer) == np.uint16 and data.token_dtype(Wide()) == np.int32
+    ids = np.arange(3 * 9, dtype=np.int32) + 65_530  # ids above uint16's range
+    ids.tofile(tmp_path / "t.int32")
+    blocks = data.read_blocks(tmp_path / "t.int32", 8, "int32")
+    assert blocks.shape == (3, 9) and blocks.tensor().flatten().tolist() == ids.tolist()
+    with pytest.raises(ValueError, match="27 tokens do not fill one block of 28"):
+        data.read_blocks(tmp_path / "t.int32", 27, "int32")

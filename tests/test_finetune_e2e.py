@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_diloco.config import load_island_config, load_run_config
 from ds_diloco.convert import SMOLLM2_INSTALL
-from ds_diloco.data import heldout_split, prepare_corpus
+from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
 from ds_diloco.hf_model import lm_loss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_two_islands_fine_tune_smollm2_and_the_export_generates(tmp_path, smollm
     run_tok, blocks = prepare_corpus(REPO / "tests" / "data", tmp_path / "cache", 4096, 32,
                                         tokenizer=smollm2)  # fmt: skip
     assert len(run_tok) == len(tok) == 49152
-    heldout = heldout_split(blocks, 0.05, seed=0)[1][:64]
+    heldout = as_tensor(heldout_split(blocks, 0.05, seed=0)[1][:64])
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     with torch.no_grad():
         losses = [lm_loss(model, b[:, :-1], b[:, 1:]).item() for b in heldout.split(8)]

@@ -438,7 +438,7 @@ class Evaluator:
     """The held-out and tuning blocks, and the model to evaluate global values with."""
 
     def __init__(self, s: Setup):
-        from ds_diloco.data import heldout_split, prepare_corpus
+        from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
         from ds_diloco.hf_model import build_model
 
         _, blocks = prepare_corpus(s.corpus, s.cache_dir, s.vocab_size, s.seq_len)
@@ -450,7 +450,8 @@ class Evaluator:
                 "heldout_fraction, or fetch the Shakespeare corpus first "
                 "(bash launch/get_corpus.sh .cache/corpus .venv/bin/python)"
             )
-        self.eval, self.tune = heldout[: s.eval_blocks], heldout[s.eval_blocks : 2 * s.eval_blocks]
+        self.eval = as_tensor(heldout[: s.eval_blocks])
+        self.tune = as_tensor(heldout[s.eval_blocks : 2 * s.eval_blocks])
         self.batch = 32  # per forward: larger batches evaluate several times faster on CPU
         self.model_config = s.model_config
         self.model = build_model(ModelSource(config=s.model_config, seed=0))
