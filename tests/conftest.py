@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,28 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": True,
 }
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_run_file(tmp_path, tiny_config_path, islands, steps, **coordinator) -> Path:
+    """A run file of the tiny Llama on tests/data; ``coordinator`` keys override its section."""
+    run = {
+        "workdir": str(tmp_path / "run"),
+        "model": {"config": tiny_config_path, "seed": 0},
+        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
+                 "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
+        "train": {"steps": steps, "micro_batch": 4, "lr": 3e-3, "log_every": 2},
+        "islands": islands,
+        "coordinator": {"num_fragments": 4, "sync_every": 4,
+                        "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1}, **coordinator},
+        "prompt": "Shall I",
+    }  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    return path
 
 
 @pytest.fixture

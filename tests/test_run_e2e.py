@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_run_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import run as run_mod
@@ -38,24 +39,6 @@ def _wait_exit(proc, timeout, log_path):
         proc.send_signal(signal.SIGUSR1)
         time.sleep(3)
         pytest.fail(f"{proc.args} still running after {timeout} s:\n{log_path.read_text()[-8000:]}")
-
-
-def write_run_file(tmp_path, tiny_config_path, islands, steps, **coordinator) -> Path:
-    run = {
-        "workdir": str(tmp_path / "run"),
-        "model": {"config": tiny_config_path, "seed": 0},
-        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
-        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
-                 "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
-        "train": {"steps": steps, "micro_batch": 4, "lr": 3e-3, "log_every": 2},
-        "islands": islands,
-        "coordinator": {"num_fragments": 4, "sync_every": 4,
-                        "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1}, **coordinator},
-        "prompt": "Shall I",
-    }  # fmt: skip
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(run))
-    return path
 
 
 def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_config_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import trustme
+from conftest import write_run_file
 
 from ds_diloco import tls, wire
 from ds_diloco.client import CoordinatorClient, RefusedError, TLSError, rank_slices
@@ -172,22 +173,11 @@ def test_a_coordinator_others_can_reach_without_tls_is_warned_about():
 
 
 def _run_file(tmp_path, tiny_config_path, certs, steps) -> Path:
-    run = {
-        "workdir": str(tmp_path / "run"),
-        "model": {"config": tiny_config_path, "seed": 0},
-        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
-        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
-                 "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05},
-        "train": {"steps": steps, "micro_batch": 4, "lr": 3e-3, "log_every": 2},
-        "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
-        "coordinator": {"num_fragments": 2, "sync_every": 2,
-                        "policy": {"min_quorum": 1, "grace_gamma": 0.5, "tau": 1},
-                        "tls_cert": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem")},
-        "export": False,
-    }  # fmt: skip
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(run))
-    return path
+    islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
+    return write_run_file(
+        tmp_path, tiny_config_path, islands, steps, num_fragments=2, sync_every=2,
+        tls_cert=str(certs / "cert.pem"), tls_key=str(certs / "key.pem"),
+    )  # fmt: skip
 
 
 def test_a_run_with_a_tls_coordinator_trains_and_merges_over_https(
