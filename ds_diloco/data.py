@@ -25,7 +25,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -282,13 +282,40 @@ ENCODE_BATCH = 1024
 """Records tokenised per call (the fast tokenizer spreads a batch over its threads)."""
 
 
-def _encoded(dataset: datasets.Dataset, tokenizer) -> Iterator[np.ndarray]:
+TextBatches = Iterable[Sequence[str]]
+"""A corpus's records in order, a batch at a time."""
+
+
+def _batches(records: datasets.Dataset | TextBatches) -> TextBatches:
+    if hasattr(records, "iter") and hasattr(records, "column_names"):  # a datasets.Dataset
+        return (batch["text"] for batch in records.iter(batch_size=ENCODE_BATCH))
+    return records
+
+
+def text_batches(source: str | os.PathLike, *, text_field: str = "text",
+                 split: str = "train") -> TextBatches:  # fmt: skip
+    """The records :func:`load_text_dataset` gives, in its order, a batch at a time. Text
+    files are read one at a time, so preparing a corpus of many large ``.txt`` files never
+    holds all of it (the dataset of their paragraphs did: several times their size); other
+    sources come through their dataset, which ``datasets`` keeps memory-mapped."""
+    local = os.path.exists(source) and not _saved_dataset(source)
+    files = _corpus_files(Path(source)) if local else []
+    if not (files and all(f.endswith(".txt") for f in files)):
+        yield from _batches(load_text_dataset(source, text_field=text_field, split=split))
+        return
+    for f in files:
+        paragraphs = _paragraphs(clean_gutenberg(_read_text(f)))
+        for i in range(0, len(paragraphs), ENCODE_BATCH):
+            yield paragraphs[i : i + ENCODE_BATCH]
+
+
+def _encoded(records: datasets.Dataset | TextBatches, tokenizer) -> Iterator[np.ndarray]:
     """Each batch of records as token ids, every record ended with eos; empty ones skipped."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("pack: the tokenizer has no eos token")
-    for batch in dataset.iter(batch_size=ENCODE_BATCH):
-        texts = [t for t in batch["text"] if t and t.strip()]
+    for batch in _batches(records):
+        texts = [t for t in batch if t and t.strip()]
         if texts:
             flat: list[int] = []
             for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
@@ -324,10 +351,12 @@ def token_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.int32)
 
 
-def write_tokens(dataset: datasets.Dataset, tokenizer, path: str | os.PathLike) -> int:
+def write_tokens(
+    records: datasets.Dataset | TextBatches, tokenizer, path: str | os.PathLike
+) -> int:
     """Stream the corpus's token ids (records ended with eos) to ``path`` as
-    :func:`token_dtype` values, one batch of records at a time: memory stays one batch
-    however large the corpus. Written to a temporary file, then renamed into place (ranks
+    :func:`token_dtype` values, one batch of records at a time (``records``: a dataset, or
+    :func:`text_batches`): memory stays one batch however large the corpus. Written to a temporary file, then renamed into place (ranks
     may call it at once). Returns the number of tokens."""
     path = Path(path)
     dtype = token_dtype(tokenizer)
@@ -337,7 +366,7 @@ def write_tokens(dataset: datasets.Dataset, tokenizer, path: str | os.PathLike) 
     count = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            for ids in _encoded(dataset, tokenizer):
+            for ids in _encoded(records, tokenizer):
                 if len(ids) and (ids.max() > top or ids.min() < 0):
                     raise ValueError(
                         f"token id {int(ids.max())} does not fit the token file's {dtype} "
@@ -618,7 +647,7 @@ def prepare_corpus(
     if not path.is_file():
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be at least 1")
-        write_tokens(load_text_dataset(source, text_field=text_field, split=split), tok, path)
+        write_tokens(text_batches(source, text_field=text_field, split=split), tok, path)
     return tok, read_blocks(path, seq_len, dtype)
 
 

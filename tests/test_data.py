@@ -496,3 +496,24 @@ def test_a_vocabulary_beyond_uint16_gets_an_int32_token_file(tmp_path, tokenizer
     assert blocks.shape == (3, 9) and blocks.tensor().flatten().tolist() == ids.tolist()
     with pytest.raises(ValueError, match="27 tokens do not fill one block of 28"):
         data.read_blocks(tmp_path / "t.int32", 27, "int32")
+
+
+def test_text_batches_are_the_datasets_records_in_order_a_file_at_a_time(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    (corpus / "b").mkdir(parents=True)
+    shutil.copy(SONNETS, corpus / "a.txt")
+    (corpus / "b" / "c.txt").write_text("Second file.\n\nIts second paragraph.\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"body": f"row {i}"}) + "\n" for i in range(3)))
+    for source, field in ((corpus, "text"), (SONNETS, "text"), (rows, "body")):
+        batches = list(data.text_batches(source, text_field=field))
+        expected = data.load_text_dataset(source, text_field=field)["text"]
+        assert [t for b in batches for t in b] == expected, source
+        assert max(len(b) for b in batches) <= data.ENCODE_BATCH
+    # A folder of text files is read one file at a time, as the batches are taken.
+    reads = []
+    real = data._read_text
+    monkeypatch.setattr(data, "_read_text", lambda f: reads.append(f) or real(f))
+    batches = data.text_batches(corpus)
+    next(batches)
+    assert reads == [str(corpus / "a.txt")]
