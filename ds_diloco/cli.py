@@ -12,6 +12,8 @@ from ds_diloco import gc_tuning
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 INPUT_ERROR_EXIT = 2
+CA_FILE_HELP = ("an https:// coordinator's certificate (or its CA), trusted instead of the "
+                "system's CAs (default: $DS_DILOCO_CA_FILE)")  # fmt: skip
 """Exit status of a command stopped by a bad config or input (a ValueError, one line): the
 same again on a restart, so ``ds-diloco run`` does not restart an island that exits so."""
 
@@ -122,6 +124,7 @@ def _export(args) -> int:
         args.source,
         args.out,
         token=args.token,
+        ca_file=args.ca_file,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -198,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--token", default=None, help="bearer token for a URL (default: $DS_DILOCO_TOKEN)"
     )
+    e.add_argument("--ca-file", default=None, metavar="PEM", help=CA_FILE_HELP)
     e.add_argument("--run-summary", metavar="JSON", default=None,
                    help="the run's figures for the model card (see ds_diloco/model_card.py)")  # fmt: skip
     e.add_argument("--push-to-hub", metavar="REPO", default=None,
@@ -225,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--token-file", default=None, metavar="FILE",
                      help="read it from FILE: the coordinator's state_dir/token, written "
                      "by `ds-diloco run` and by a coordinator without a token")  # fmt: skip
+    st.add_argument("--ca-file", default=None, metavar="PEM", help=CA_FILE_HELP)
     st.add_argument("--json", action="store_true", help="print the status document as it came")
     st.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="print it again every SECONDS until Ctrl-C")  # fmt: skip

@@ -94,16 +94,20 @@ def split_fragment(fragment: Fragment, values: torch.Tensor) -> dict[str, torch.
 
 
 def load_global(
-    source: str | os.PathLike, token: str | None = None, attempts: int = SNAPSHOT_ATTEMPTS
-) -> GlobalModel:
+    source: str | os.PathLike, token: str | None = None, attempts: int = SNAPSHOT_ATTEMPTS,
+    ca_file: str | None = None,
+) -> GlobalModel:  # fmt: skip
     """Read the global model from a coordinator URL or a coordinator state directory.
 
     From a URL the fragments are one set the coordinator served at one moment;
-    ``attempts`` bounds the download passes spent getting there."""
+    ``attempts`` bounds the download passes spent getting there; ``ca_file``: the
+    certificates trusted for an https:// coordinator (default: $DS_DILOCO_CA_FILE, else
+    the system's)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     if is_url(source):
-        return _from_coordinator(str(source), token or os.environ.get(TOKEN_ENV), attempts)
+        token = token or os.environ.get(TOKEN_ENV)
+        return _from_coordinator(str(source), token, attempts, ca_file)
     return _from_state_dir(Path(source))
 
 
@@ -168,14 +172,16 @@ def _from_state_dir(root: Path) -> GlobalModel:
     )
 
 
-def _from_coordinator(url: str, token: str | None, attempts: int) -> GlobalModel:
+def _from_coordinator(
+    url: str, token: str | None, attempts: int, ca_file: str | None
+) -> GlobalModel:
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, CoordinatorError, RefusedError
 
     if not token:
         raise ValueError(
             f"exporting from {url} needs the coordinator's token: --token or ${TOKEN_ENV}"
         )
-    client = CoordinatorClient(url, token)
+    client = CoordinatorClient(url, token, ca_file=ca_file)
     try:
         info = client.plan()
         plan = FragmentPlan.from_json(info["plan"])
@@ -446,16 +452,18 @@ def export(
     max_shard_size: int | str = "2GB",
     run_summary: RunSummary | str | os.PathLike | None = None,
     repo: str | None = None,
+    ca_file: str | None = None,
 ) -> GlobalModel:
     """The global model of ``source`` (URL or state directory) as a Hugging Face
-    folder with a model card. ``repo``: the Hub repo it is for (names the card)."""
+    folder with a model card. ``repo``: the Hub repo it is for (names the card);
+    ``ca_file``: see :func:`load_global`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     shard_size_bytes(max_shard_size)
     check_out_folder(out_dir)  # before downloading anything
     if run_summary is not None and not isinstance(run_summary, RunSummary):
         run_summary = load_run_summary(run_summary)
-    g = load_global(source, token)
+    g = load_global(source, token, ca_file=ca_file)
     out = export_model(g.config, g.tensors, out_dir, tokenizer=tokenizer,
                        max_shard_size=max_shard_size, dtype=dtype,
                        generation_config=g.generation_config)  # fmt: skip

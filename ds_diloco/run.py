@@ -823,7 +823,8 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
     client = lr.wait_for_coordinator()
     print(f"coordinator at {lr.url} (state {cfg.coordinator.state_dir})", flush=True)
     if lr.token_file is not None:
-        print(f"  watch it: ds-diloco status {lr.url} --token-file {lr.token_file}", flush=True)
+        ca = f" --ca-file {cfg.coordinator.tls_cert}" if cfg.coordinator.tls_cert else ""
+        print(f"  watch it: ds-diloco status {lr.url} --token-file {lr.token_file}{ca}", flush=True)
     board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
     exports = PeriodicExport(cfg, lr)
     if point is not None:

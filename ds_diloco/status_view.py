@@ -123,7 +123,7 @@ def main(args) -> int:
                          f"or set ${TOKEN_ENV}")  # fmt: skip
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
-    client = CoordinatorClient(args.url, token, retries=1, timeout_s=10)
+    client = CoordinatorClient(args.url, token, retries=1, timeout_s=10, ca_file=args.ca_file)
     try:
         while True:
             try:

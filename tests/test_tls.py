@@ -200,6 +200,7 @@ def test_a_run_with_a_tls_coordinator_trains_and_merges_over_https(
         assert island["coordinator_ca"] == str(certs / "cert.pem")
     summary = json.loads((work / "summary.json").read_text())
     assert min(summary["merges"]) >= 2, summary["merges"]
+    assert f"--ca-file {certs / 'cert.pem'}" in proc.stdout  # the status command it prints
     assert "coordinator listening on https://" in (work / "coordinator.log").read_text()
 
 
@@ -235,3 +236,27 @@ def test_an_island_that_does_not_trust_the_coordinator_is_given_up_with_one_line
     assert "certificate was refused" in proc.stderr and "Traceback" not in proc.stderr, out
     assert time.monotonic() - t0 < 60  # at once, not after 90 s of retries
     assert "a" not in srv.coord.status()["islands"]
+
+
+def test_status_and_export_take_the_coordinators_certificate_with_ca_file(
+    certs, tiny_config_path, tmp_path, monkeypatch, capsys
+):
+    from transformers import AutoModelForCausalLM
+
+    from ds_diloco.cli import main as cli_main
+
+    monkeypatch.delenv(tls.CA_FILE_ENV, raising=False)
+    monkeypatch.setenv("DS_DILOCO_TOKEN", TOKEN)
+    with ServerThread(coordinator_cfg(tiny_config_path, tmp_path / "s", certs)) as srv:
+        assert cli_main(["status", srv.url, "--ca-file", str(certs / "cert.pem")]) == 0
+        assert f"coordinator {srv.url}" in capsys.readouterr().out
+        assert cli_main(["status", srv.url]) == 2  # the system's CAs do not know it
+        err = capsys.readouterr().err
+        assert "certificate was refused" in err and "Traceback" not in err, err
+        out = tmp_path / "export"
+        args = ["export", "--from", srv.url, "--out", str(out), "--ca-file", str(certs / "ca.pem")]
+        assert cli_main(args) == 0
+        theta = srv.coord.global_tensors()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), theta[name]), name
