@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-import datasets
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -44,6 +43,20 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+class CausalBlocks(torch.utils.data.Dataset):
+    """The corpus's blocks as Trainer examples; the model shifts the labels itself."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.blocks[i]
+        return {"input_ids": ids, "labels": ids}
+
+
 def main() -> None:
     args = parse_args()
     zero.prepare_cpu_accelerate()  # without CUDA: gloo, all ranks (before TrainingArguments)
@@ -61,9 +74,7 @@ def main() -> None:
     model_config = AutoConfig.from_pretrained(args.model_config)
     model = AutoModelForCausalLM.from_config(model_config)  # partitioned: ZeRO-3 is on
     _, blocks = prepare_corpus(args.text, args.cache_dir, model_config.vocab_size, args.seq_len)
-    train = datasets.Dataset.from_dict({"input_ids": blocks.tensor().tolist()}).map(
-        lambda b: {"labels": b["input_ids"]}  # the model shifts the labels itself
-    )
+    train = CausalBlocks(blocks)  # read from the memory-mapped tokens as batches are made
     diloco = ds_diloco.DiLoCoCallback(args.coordinator, island=args.island)  # ds_diloco
     trainer = Trainer(model=model, args=training, train_dataset=train, callbacks=[diloco])
     trainer.train()  # the callback joins the run, syncs after each step, leaves at the end
