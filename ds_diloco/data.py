@@ -617,6 +617,8 @@ def prepare_corpus(
     """
     from transformers import AutoTokenizer
 
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be at least 1")
     local = os.path.exists(source)
     if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
         raise ValueError(f"data.path {str(source)!r} does not exist")
@@ -645,8 +647,6 @@ def prepare_corpus(
     dtype = token_dtype(tok)
     path = cache / f"tokens-{key}.{dtype.name}"  # any seq_len reads the same tokens
     if not path.is_file():
-        if seq_len < 1:
-            raise ValueError(f"seq_len={seq_len}: must be at least 1")
         write_tokens(text_batches(source, text_field=text_field, split=split), tok, path)
     return tok, read_blocks(path, seq_len, dtype)
 

@@ -345,6 +345,8 @@ def test_prepare_corpus_caches_blocks(tmp_path, monkeypatch):
     # Another seq_len cuts the same cached tokens differently.
     _, longer = data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 64)
     assert longer.shape[1] == 65
+    with pytest.raises(ValueError, match="seq_len=0: must be at least 1"):  # cached or not
+        data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 0)
     assert torch.equal(longer.tensor().flatten(), blocks.tensor().flatten()[: len(longer) * 65])
 
 
