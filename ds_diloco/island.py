@@ -40,16 +40,28 @@ from ds_diloco.syncer import Diverged
 log = logging.getLogger(__name__)
 
 
+def preparation_turn(rank: int, local_rank: int) -> int:
+    """When a rank prepares the corpus (0, 1, 2: the island's ranks take turns, with a
+    barrier between turns): rank 0 first, which fills a shared cache for everyone; then
+    the first rank of every other node, for a cache on the node's own disk; then the rest,
+    which find it filled. Without the middle turn, every rank of another node tokenised
+    the whole corpus at once into a node-local cache."""
+    return 0 if rank == 0 else 1 if local_rank == 0 else 2
+
+
 def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     """(this rank's training blocks, held-out blocks), views of the memory-mapped cached
-    tokens (no copy of the corpus per rank); rank 0 fills the cache first."""
+    tokens (no copy of the corpus per rank); see :func:`preparation_turn` for who fills
+    the cache."""
     d = cfg.data
-    if rank != 0:
-        zero.barrier()
-    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-                               text_field=d.text_field, split=d.split)  # fmt: skip
-    if rank == 0:
-        zero.barrier()
+    turn = preparation_turn(rank, int(os.environ.get("LOCAL_RANK", rank)))
+    for phase in range(3):
+        if phase == turn:
+            _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
+                                       tokenizer=d.tokenizer, text_field=d.text_field,
+                                       split=d.split)  # fmt: skip
+        if phase < 2:
+            zero.barrier()
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)

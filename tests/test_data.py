@@ -519,3 +519,13 @@ def test_text_batches_are_the_datasets_records_in_order_a_file_at_a_time(tmp_pat
     batches = data.text_batches(corpus)
     next(batches)
     assert reads == [str(corpus / "a.txt")]
+
+
+def test_each_node_fills_its_own_cache_once_before_its_other_ranks_read_it():
+    from ds_diloco.island import preparation_turn
+
+    # Two nodes of 4 ranks: global rank 0 first (a shared cache is then filled for all),
+    # the first rank of node 2 next (a node-local cache), every other rank last.
+    turns = [preparation_turn(rank, rank % 4) for rank in range(8)]
+    assert turns == [0, 2, 2, 2, 1, 2, 2, 2]
+    assert preparation_turn(0, 0) == 0 and preparation_turn(1, 1) == 2  # one node
