@@ -12,10 +12,10 @@ from ds_diloco import gc_tuning
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 INPUT_ERROR_EXIT = 2
-CA_FILE_HELP = ("an https:// coordinator's certificate (or its CA), trusted instead of the "
-                "system's CAs (default: $DS_DILOCO_CA_FILE)")  # fmt: skip
 """Exit status of a command stopped by a bad config or input (a ValueError, one line): the
 same again on a restart, so ``ds-diloco run`` does not restart an island that exits so."""
+CA_FILE_HELP = ("an https:// coordinator's certificate (or its CA), trusted instead of the "
+                "system's CAs (default: $DS_DILOCO_CA_FILE)")  # fmt: skip
 
 _exit_at_once = False
 """Set by a command whose process leaves without the interpreter's teardown (``program``)."""

@@ -137,6 +137,11 @@ def _paragraphs(text: str) -> list[str]:
     return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
+def _file_paragraphs(path: str) -> list[str]:
+    """A text file's records: its paragraphs, Gutenberg licence removed."""
+    return _paragraphs(clean_gutenberg(_read_text(path)))
+
+
 def _file_stats(files: Sequence[str | os.PathLike]) -> list[list]:
     """(resolved path, size, mtime_ns) per file: cheap for any corpus size, and a
     same-size edit or another corpus with the same file names still changes it."""
@@ -270,7 +275,7 @@ def load_text_dataset(
         raise ValueError(f"load_text_dataset: unsupported file types {unknown}")
     parts = []
     if txt := [f for f in files if f.endswith(".txt")]:
-        paragraphs = [p for f in txt for p in _paragraphs(clean_gutenberg(_read_text(f)))]
+        paragraphs = [p for f in txt for p in _file_paragraphs(f)]
         parts.append(datasets.Dataset.from_dict({"text": paragraphs}))
     for suffix, loader in _LOADERS.items():
         if group := [f for f in files if Path(f).suffix == suffix]:
@@ -304,7 +309,7 @@ def text_batches(source: str | os.PathLike, *, text_field: str = "text",
         yield from _batches(load_text_dataset(source, text_field=text_field, split=split))
         return
     for f in files:
-        paragraphs = _paragraphs(clean_gutenberg(_read_text(f)))
+        paragraphs = _file_paragraphs(f)
         for i in range(0, len(paragraphs), ENCODE_BATCH):
             yield paragraphs[i : i + ENCODE_BATCH]
 
@@ -356,8 +361,9 @@ def write_tokens(
 ) -> int:
     """Stream the corpus's token ids (records ended with eos) to ``path`` as
     :func:`token_dtype` values, one batch of records at a time (``records``: a dataset, or
-    :func:`text_batches`): memory stays one batch however large the corpus. Written to a temporary file, then renamed into place (ranks
-    may call it at once). Returns the number of tokens."""
+    :func:`text_batches`): memory stays one batch however large the corpus. Written to a
+    temporary file, then renamed into place (ranks may call it at once). Returns the
+    number of tokens."""
     path = Path(path)
     dtype = token_dtype(tokenizer)
     top = np.iinfo(dtype).max
@@ -389,8 +395,6 @@ def read_blocks(path: str | os.PathLike, seq_len: int, dtype: np.dtype | str) ->
     until a block is used, and the pages are the node's page cache, shared by its ranks."""
     dtype = np.dtype(dtype)
     count = os.path.getsize(path) // dtype.itemsize
-    if count < seq_len + 1:
-        raise ValueError(f"pack: {count} tokens do not fill one block of {seq_len + 1}")
     # shared=False: a private mapping, so no write through a view can reach the file.
     ids = torch.from_file(str(path), shared=False, size=count, dtype=_TORCH_DTYPES[dtype])
     return Blocks(_as_blocks_tensor(ids, seq_len))
