@@ -58,8 +58,9 @@ class DiLoCoCallback(TrainerCallback):
     """Makes the Trainer's DeepSpeed ZeRO-3 job an island of a ds_diloco run.
 
     Args:
-        coordinator, island, token, alpha, keep_local_steps, connect_timeout_s: as for
-            :class:`Learner`.
+        coordinator, island, token, alpha, keep_local_steps, connect_timeout_s, ca_file: as
+            for :class:`Learner` (``ca_file``: the CA file that an https:// coordinator's
+            certificate is checked against, else ``$DS_DILOCO_CA_FILE``).
         start_together: wait (at most 120 s) before the first step until this many
             islands of the run are ready (:meth:`Learner.start_together`); 0: start at once.
         tokens_per_step: tokens one rank trains on per optimizer step, if the Trainer
@@ -87,8 +88,10 @@ class DiLoCoCallback(TrainerCallback):
         tokens_per_step: int | None = None,
         take_global_at_end: bool = True,
         start_together: int = 0,
+        ca_file: str | None = None,
     ):
         self.coordinator, self.island, self.token = coordinator, island, token
+        self.ca_file = ca_file
         self.alpha, self.connect_timeout_s = alpha, connect_timeout_s
         self.keep_local_steps, self.start_together = keep_local_steps, start_together
         self.tokens_per_step, self.take_global_at_end = tokens_per_step, take_global_at_end
@@ -113,6 +116,7 @@ class DiLoCoCallback(TrainerCallback):
         self.learner = Learner(
             engine, self.coordinator, self.island, token=self.token, alpha=self.alpha,
             keep_local_steps=self.keep_local_steps, connect_timeout_s=self.connect_timeout_s,
+            ca_file=self.ca_file,
         )  # fmt: skip
         self.learner.start_together(self.start_together)
         self._seen_tokens = state.num_input_tokens_seen

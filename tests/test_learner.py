@@ -111,18 +111,18 @@ def test_the_callback_joins_a_zero3_trainer_that_accelerate_launched(monkeypatch
 
     class Joined:  # stands in for the Learner (needs a process group and a coordinator)
         def __init__(self, engine, *a, **kw):
-            made.append(engine.zero_optimization_stage())
+            made.append((engine.zero_optimization_stage(), kw["ca_file"]))
 
         def start_together(self, n):
             pass
 
     monkeypatch.setattr(hf_callback, "Learner", Joined)
-    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
+    cb = DiLoCoCallback("https://127.0.0.1:1", island="a", token="t", ca_file="ca.pem")
     state = types.SimpleNamespace(num_input_tokens_seen=0)
     wrapped = types.SimpleNamespace(optimizer=_optimizer("zero3"))  # accelerate's wrapper
     cb.on_train_begin(args(deepspeed=None), state, None, model=torch.nn.Linear(2, 2),
                       optimizer=wrapped)  # fmt: skip
-    assert made == [3]
+    assert made == [(3, "ca.pem")]  # the CA an https:// coordinator is checked against
 
 
 @pytest.mark.parametrize("best", [False, True])
