@@ -37,6 +37,7 @@ import ssl
 import threading
 import time
 import weakref
+from collections.abc import Collection
 from urllib.parse import quote, urlencode, urlsplit
 
 import torch
@@ -382,14 +383,24 @@ class CoordinatorClient:
         after: int | None = None,
         island: str | None = None,
         info: dict | None = None,
+        keep: Collection[str] = (),
+        epoch: str = "",
     ) -> int | None:
         """Like :meth:`download`, but read straight into ``dest`` (no buffer of the body).
 
         Returns the version, or None if not newer than ``after``. On an error ``dest``
-        may hold part of the body: the caller must not use it. ``info``, if given, gets
-        ``opened_ago_s`` when the coordinator says it (:data:`wire.OPENED_AGO_HEADER`).
+        may hold part of the body: the caller must not use it. ``keep``: slices ``dest``
+        holds at version ``after`` of the coordinator process ``epoch`` (a download's
+        ``info["epoch"]``) that the coordinator may leave out if they have not changed
+        since (they are then left as they are). ``info``, if given, gets ``epoch``,
+        ``unchanged`` (the slices left out), ``bytes`` (the body's) and ``opened_ago_s``
+        when the coordinator says it (:data:`wire.OPENED_AGO_HEADER`).
         """
         params = _fragment_query(world_size, rank, after, island)
+        keep = keep if after is not None and epoch else ()
+        mask = wire.keep_mask(list(dest), keep)
+        if mask:
+            params.update(keep=mask, epoch=epoch)
         r = self._open("GET", f"/v1/fragments/{fragment}", params=params)
         with self._reading():
             if r.status == 304:
@@ -399,10 +410,12 @@ class CoordinatorClient:
                 length = int(r.headers["Content-Length"])
             except (KeyError, ValueError):
                 raise wire.WireError("download without a Content-Length") from None
-            header, _ = wire.read_fragment_into(_Whole(r), length, dest)
+            header, _ = wire.read_fragment_into(_Whole(r), length, dest, keep=keep)
         _check_fragment(header, r.headers, fragment, world_size, rank)
         if info is not None:
             ago = _opened_ago(r.headers)
+            info["epoch"], info["unchanged"] = header.epoch, header.unchanged_names()
+            info["bytes"] = length
             if ago is not None:
                 info["opened_ago_s"] = ago
         return header.version

@@ -92,7 +92,7 @@ def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
 
 
 _MAX_CACHED_BODIES = 64
-"""Encoded downloads kept per fragment version (distinct world size and rank pairs)."""
+"""Encoded downloads kept per fragment version (by world size, rank and slices left out)."""
 MAX_COUNTER = 2**53
 """Upper bound of an upload's counters (step, steps, tokens, versions, incarnation): the
 integers a float64 holds exactly. Larger ones overflowed the token weight (tokens^2 /
@@ -124,6 +124,13 @@ class Coordinator:
         # This run's id, made with its state dir and kept in it (a backup put back keeps it):
         # islands send it with their uploads (see _adopt_unknown).
         self.run_id = ""
+        # This process's id, in every download: versions are compared (a download that
+        # leaves out what did not change since the island's version) only within one.
+        # A state put back from a backup serves version numbers again with other values.
+        self.epoch = secrets.token_hex(8)
+        # Bodies this process took in and served, and the bytes of slices downloads left
+        # out as unchanged (``download``); counted on the server's event loop.
+        self.traffic = dict.fromkeys(("upload_bytes", "download_bytes", "unchanged_bytes"), 0)
         if self.store.exists():
             self._load()
         else:
@@ -710,10 +717,21 @@ class Coordinator:
         return None if opened is None else round(max(self.clock() - opened, 0.0), 4)
 
     def download(
-        self, fragment: int, world_size: int, rank: int, after: int | None = None
+        self,
+        fragment: int,
+        world_size: int,
+        rank: int,
+        after: int | None = None,
+        keep: str = "",
+        epoch: str = "",
     ) -> tuple[int, wire.Body | None]:
         """(version, safetensors body) of the slices that ``rank`` of ``world_size`` owns;
         the body is None if the version is not newer than ``after``.
+
+        ``keep`` (a :func:`wire.keep_mask`): slices the island holds at version ``after``
+        of this process (``epoch``) and keeps if they have not changed since: those are
+        left out of the body and named in its ``unchanged`` (frozen parameters: most of
+        a fine-tuned model may never change).
 
         The body's parts alias the served values (they never change): send them as
         they are. Cheap enough for the event loop: no lock, no copy of the values.
@@ -721,21 +739,34 @@ class Coordinator:
         fs = self._fragment(fragment)
         if world_size < 1 or not 0 <= rank < world_size:
             raise CoordinatorError(422, f"rank {rank} is outside world size {world_size}")
+        try:
+            kept = wire.parse_keep_mask(keep, len(fs.segments)) if keep else []
+        except wire.WireError as e:
+            raise CoordinatorError(400, f"download of fragment {fragment}: {e}") from None
         served = fs.served  # one read: version, values and bodies belong together
         if after is not None and served.version <= after:
             return served.version, None
-        body = served.bodies.get((world_size, rank))
+        if after is None or epoch != self.epoch:
+            kept = []  # not this process's version: nothing is known unchanged
+        left_out = tuple(i for i in kept if served.changed_at[i] <= after)
+        ranges = self._ranges(fs, world_size, rank)
+        body = served.bodies.get((world_size, rank, left_out))
         if body is None:
+            omitted = set(left_out)
             slices = {  # cut from served.data: the body keeps the version's buffer alive
                 s.name: torch.from_numpy(served.data[s.offset + a : s.offset + b])
-                for s, (a, b) in zip(fs.segments, self._ranges(fs, world_size, rank))
+                for i, (s, (a, b)) in enumerate(zip(fs.segments, ranges))
+                if i not in omitted
             }
             header = wire.FragmentHeader(
-                fragment=fragment, version=served.version, world_size=world_size, rank=rank
-            )
+                fragment=fragment, version=served.version, world_size=world_size, rank=rank,
+                epoch=self.epoch, unchanged=",".join(fs.segments[i].name for i in left_out),
+            )  # fmt: skip
             body = wire.fragment_parts(header, slices)
             if len(served.bodies) < _MAX_CACHED_BODIES:  # bounded, whatever clients ask
-                served.bodies[(world_size, rank)] = body
+                served.bodies[(world_size, rank, left_out)] = body
+        self.traffic["download_bytes"] += len(body)
+        self.traffic["unchanged_bytes"] += sum(4 * (ranges[i][1] - ranges[i][0]) for i in left_out)
         return served.version, body
 
     def touch(self, island: str) -> None:
@@ -933,6 +964,10 @@ class Coordinator:
         try:
             try:
                 fs.optimizer.step(values, grad)
+                # Segments whose merged pseudo-gradient was 0 (frozen everywhere) may
+                # not have moved: downloads leave those out for islands that keep them.
+                quiet = (sq[weights > 0].sum(0) == 0).tolist()
+                changed_at = fs.changed_at(values, version + 1, quiet)
                 if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
                     self._make_durable(fs, values, version + 1, merged_by)
                 else:
@@ -941,7 +976,7 @@ class Coordinator:
                 fs.optimizer.load_state_dict(before)  # (copies: the lent buffers go back)
                 fs._recycle(values)
                 raise
-            fs.publish(version + 1, values)
+            fs.publish(version + 1, values, changed_at)
             fs.merged_by = merged_by
         finally:
             fs.lock.release_write()
@@ -1123,6 +1158,7 @@ class Coordinator:
                 },
                 "xi_quorum_s": self._xi_quorum.value,
                 "xi_sync_s": self._xi_sync.value,
+                "traffic": dict(self.traffic),
                 "run": self._run_metrics(),
             }
 

@@ -93,9 +93,13 @@ class Served:
     data: np.ndarray
     """``values`` as an array: download bodies are cut from it and keep it alive, so it
     is collected once no body of this version is left (see ``FragmentState.publish``)."""
-    bodies: dict[tuple[int, int], wire.Body] = dataclasses.field(default_factory=dict)
-    """Encoded downloads of this version by (world_size, rank): every island of the same
-    world size gets the same slices, so each pair is encoded once per version."""
+    changed_at: tuple[int, ...] = ()
+    """Per segment, the version since which its values are these (this process's
+    versions: at load, the loaded one): a download ``after`` a later one may leave the
+    segment out for an island that keeps it (``Coordinator.download``)."""
+    bodies: dict[tuple, wire.Body] = dataclasses.field(default_factory=dict)
+    """Encoded downloads of this version by (world_size, rank, slices left out): every
+    island of the same world size gets the same slices, so each is encoded once."""
 
 
 class FragmentState:
@@ -140,14 +144,20 @@ class FragmentState:
         # Per-inner-step norms of the last complete contributions it took (NormGuard).
         self.recent_norms: collections.deque[float] = collections.deque(maxlen=norm_window)
 
-    def publish(self, version: int, values: torch.Tensor) -> None:
-        """Serve ``values`` as ``version`` from now on; ``values`` must not change after this."""
+    def publish(
+        self, version: int, values: torch.Tensor, changed_at: tuple[int, ...] | None = None
+    ) -> None:
+        """Serve ``values`` as ``version`` from now on; ``values`` must not change after this.
+        ``changed_at``: per segment, the version since which it holds these values (None:
+        ``version`` for all)."""
         data = values.numpy()
         # Once this version is replaced and no body of it is left anywhere (the array
         # is collected), its buffer takes a later merge's values: no new pages to fault in.
         weakref.finalize(data, self._recycle, values)
+        if changed_at is None:
+            changed_at = (version,) * len(self.segments)
         # ``served`` first: whoever sees the new ``version`` finds its values served.
-        self.served = Served(version, values, data)
+        self.served = Served(version, values, data, changed_at)
         self.values, self.version = values, version
 
     def _recycle(self, values: torch.Tensor) -> None:
@@ -155,6 +165,19 @@ class FragmentState:
             return
         if not self.spare:  # one is all a merge at a time needs: hold no more memory
             self.spare.append(values)
+
+    def changed_at(self, values: torch.Tensor, version: int, quiet) -> tuple[int, ...]:
+        """Per segment, since which version ``values`` (the next version's, ``version``)
+        holds the served values bit for bit: the served ``changed_at`` for the segments
+        that are (compared only where ``quiet[i]``: the merged pseudo-gradient was 0),
+        ``version`` for the rest."""
+        served, out = self.served, []
+        old, new = served.values.view(torch.int32), values.view(torch.int32)  # bits, not ==
+        for i, s in enumerate(self.segments):
+            span = slice(s.offset, s.offset + s.numel)
+            same = quiet[i] and torch.equal(old[span], new[span])
+            out.append(served.changed_at[i] if same else version)
+        return tuple(out)
 
     def copy_values(self) -> torch.Tensor:
         """A copy of the served values for a merge to step, in a recycled buffer if any."""

@@ -161,6 +161,14 @@ def prometheus_text(status: dict[str, Any]) -> str:
            [({}, run.get("goodput"))])  # fmt: skip
     metric("uptime", "gauge", "Share of wall-time windows in which some fragment advanced.",
            [({}, run.get("uptime"))])  # fmt: skip
+    traffic = status.get("traffic", {})
+    metric("upload_bytes_total", "counter", "Upload bodies taken in (accepted or not).",
+           [({}, traffic.get("upload_bytes"))])  # fmt: skip
+    metric("download_bytes_total", "counter", "Download bodies served.",
+           [({}, traffic.get("download_bytes"))])  # fmt: skip
+    metric("download_unchanged_bytes_total", "counter",
+           "Bytes of frozen slices downloads left out: unchanged since the island's version.",
+           [({}, traffic.get("unchanged_bytes"))])  # fmt: skip
     metric("live_islands", "gauge", "Islands holding a live lease.",
            [({}, sum(1 for v in isl.values() if v["live"]))])  # fmt: skip
     return "\n".join(lines) + "\n"

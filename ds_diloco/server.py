@@ -258,6 +258,7 @@ class CoordinatorServer:
 
     async def upload(self, request):
         body = await self._read_body(request)
+        self.coord.traffic["upload_bytes"] += len(body)  # counted on the loop only
         # Once upload() has returned or refused, it holds nothing of the body: the buffer is
         # free again. Not when cancelled: the worker thread may still be reading it.
         try:
@@ -306,12 +307,17 @@ class CoordinatorServer:
             after = int(request.query["after"]) if "after" in request.query else None
         except (KeyError, ValueError):
             raise CoordinatorError(
-                400, "download: need integer fragment, ?world_size=W&rank=R (and optional after=V)"
+                400,
+                "download: need integer fragment, ?world_size=W&rank=R (and optional after=V, "
+                "keep=MASK, epoch=E)",
             ) from None
         if request.query.get("island"):
             self.coord.touch(request.query["island"])
         # On the loop: no lock, no copy (the body aliases the served values).
-        version, body = self.coord.download(fragment, world_size, rank, after)
+        version, body = self.coord.download(
+            fragment, world_size, rank, after,
+            keep=request.query.get("keep", ""), epoch=request.query.get("epoch", ""),
+        )  # fmt: skip
         if body is None:
             return web.Response(status=304, headers={VERSION_HEADER: str(after)})
         headers = {VERSION_HEADER: str(version)}

@@ -24,6 +24,10 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
 def _range(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return str(lo) if lo == hi else f"{lo}..{hi}"
@@ -58,6 +62,14 @@ def _render(st: dict, url: str) -> str:
         f"goodput {_pct(run['goodput'])}  uptime {_pct(run['uptime'])} "
         f"({run['uptime_window_s']:g} s windows)  merges by islands in them: {sizes}",
     ]
+    traffic = st.get("traffic")  # not from a coordinator before this field
+    if traffic:
+        left_out = traffic["unchanged_bytes"]
+        out.append(
+            f"traffic since the coordinator started: uploads {_mb(traffic['upload_bytes'])} in, "
+            f"downloads {_mb(traffic['download_bytes'])} out"
+            + (f" ({_mb(left_out)} of unchanged frozen slices left out)" if left_out else "")
+        )
     islands = st["islands"]
     if islands:
         cols = ("island", "ranks", "state", "step", "step time", "merged", "dropped",

@@ -181,6 +181,10 @@ class _Slot:
     # upload's body, which aliases the base, is not sent yet, and no download may write it.
     holds_upload: bool = False
     sending: bool = False
+    # The coordinator process that served ``version`` (its downloads' ``epoch``): a download
+    # after that version may leave out the frozen slices that did not change since, which
+    # the base holds (an apply writes them from there, as if they had come).
+    epoch: str = ""
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # base memory
 
     @property
@@ -206,6 +210,8 @@ class SyncStats:
     apply_s: float = 0.0  # training thread: writing merged fragments into the shard
     cache_s: float = 0.0  # training thread: dropping ZeRO-3's gathered copies after applies
     bytes_sent: int = 0  # upload bodies the coordinator answered (payload, scales, header)
+    bytes_received: int = 0  # download bodies read whole (header included)
+    unchanged: int = 0  # frozen slices downloads left out (unchanged since the base's version)
     network_calls_in_loop: int = (
         0  # requests made by the training thread after bootstrap, before flush: must stay 0
     )
@@ -264,6 +270,11 @@ class FragmentSyncer:
         lossy = codec is not None and codec.name != "none"
         self.feedback = compress.ErrorFeedback(codec, seed=rank) if lossy else None
         self.slots = [_Slot(base) for base in self._base_views()]
+        # Per fragment, the slices this rank does not train: the base holds their global
+        # values (an upload leaves them out), so a download may leave out unchanged ones.
+        self._frozen = [
+            frozenset(n for n in f.names if not access.trains(n)) for f in plan.fragments
+        ]
         self.stats = SyncStats()
         self._lock = threading.Lock()  # slot state (not base memory: that is slot.lock)
         # Fragments waiting to be sent, oldest first, and the payload of each. At most one
@@ -716,11 +727,15 @@ class FragmentSyncer:
             try:
                 version = (client or self.client).download_into(
                     frag.index, self.world_size, self.rank, slot.base, after=after,
-                    island=self.island, info=info,
+                    island=self.island, info=info, keep=self._frozen[frag.index],
+                    epoch=slot.epoch if after == slot.version else "",
                 )  # fmt: skip
                 problem = None
-                if version is not None:
-                    bad = [n for n, t in slot.base.items() if not _all_finite(t)]
+                if version is not None:  # (the ones left out were checked when they came)
+                    left_out = set(info.get("unchanged", ()))
+                    bad = [
+                        n for n, t in slot.base.items() if n not in left_out and not _all_finite(t)
+                    ]
                     problem = f"{bad[0]}: NaN or Inf" if bad else None
             except (RefusedError, wire.WireError) as e:
                 version, problem = None, str(e)
@@ -755,8 +770,12 @@ class FragmentSyncer:
             with self._lock:
                 if torn:
                     slot.version, slot.holds_upload = -1, False
+                    slot.epoch = ""
                 elif version is not None:
                     slot.version, slot.refetch, slot.holds_upload = version, False, False
+                    slot.epoch = info.get("epoch", "")
+                    self.stats.unchanged += len(info.get("unchanged", ()))
+                    self.stats.bytes_received += info.get("bytes", 0)
                     ago = info.get("opened_ago_s")
                     slot.opened_t = None if ago is None else time.perf_counter() - ago
             return version is not None and not torn

@@ -17,7 +17,7 @@ import re
 import struct
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,26 @@ OPENED_AGO_HEADER = "X-DS-Diloco-Opened-Ago"
 got its first contribution (an island that applies it instead of sending learns how late
 it is, as a stale upload's ``late_s`` tells)."""
 _INTEGER = re.compile(r"-?[0-9]{1,4000}")  # longer: int() refuses (its digit limit)
+_HEX = re.compile(r"[0-9a-f]{1,4000}")
+
+
+def keep_mask(names: Sequence[str], keep: Collection[str]) -> str:
+    """A download's ``keep`` query: which of the fragment's slices (``names``, in plan
+    order) the island holds at its ``after`` version and would keep if unchanged, as a
+    hexadecimal bit mask (bit i: ``names[i]``); "" for none."""
+    bits = sum(1 << i for i, n in enumerate(names) if n in keep)
+    return format(bits, "x") if bits else ""
+
+
+def parse_keep_mask(raw: str, count: int) -> list[int]:
+    """The slice indices of a ``keep`` mask over a fragment of ``count`` slices."""
+    if not _HEX.fullmatch(raw):
+        raise WireError(f"keep must be a lower-case hexadecimal bit mask, got {raw[:40]!r}")
+    bits = int(raw, 16)
+    if bits >> count:
+        raise WireError(f"keep names slice {bits.bit_length() - 1}, the fragment has {count}")
+    return [i for i in range(count) if bits >> i & 1]
+
 
 _DTYPES = {
     "F32": torch.float32,
@@ -103,9 +123,20 @@ class FragmentHeader:
     version: int
     world_size: int
     rank: int
+    epoch: str = ""
+    """The serving coordinator process's id: a download's ``after`` version is comparable
+    with its versions only if the island got it from the same one (``unchanged``).
+    Optional: omitted when empty."""
+    unchanged: str = ""
+    """Comma-separated names of slices left out of the body because they hold the same
+    values as at the version the island asked ``after`` and it said it keeps them (its
+    frozen ones): its base copy already holds them. Optional: omitted when empty."""
+
+    def unchanged_names(self) -> list[str]:
+        return self.unchanged.split(",") if self.unchanged else []
 
 
-_OPTIONAL = {"run": "", "final": 0, "zeros": ""}
+_OPTIONAL = {"run": "", "final": 0, "zeros": "", "epoch": "", "unchanged": ""}
 """Header fields added after the first wire version, by their default: omitted when they
 hold it, and read as it when omitted (an empty ``run`` too)."""
 
@@ -300,15 +331,16 @@ def _check_layout(entries: list[_Entry], data_len: int) -> list[_Entry]:
 
 
 def read_fragment_into(
-    stream, length: int, dest: Mapping[str, torch.Tensor]
+    stream, length: int, dest: Mapping[str, torch.Tensor], keep: Collection[str] = ()
 ) -> tuple[FragmentHeader, dict[str, str]]:
     """Read a download of ``length`` bytes from ``stream`` straight into ``dest``'s memory.
 
     ``dest`` maps every expected tensor name to a contiguous 1-D tensor of the
-    expected dtype and size; the body must hold exactly those. Nothing is
-    buffered, so a body that turns out bad has already overwritten part of
-    ``dest``: the caller treats ``dest`` as garbage on any error. Returns the
-    header and the metadata.
+    expected dtype and size; the body must hold exactly those but the ones its
+    header lists as ``unchanged``, which must be among ``keep`` (the slices the
+    request offered to keep). Nothing is buffered, so a body that turns out bad
+    has already overwritten part of ``dest``: the caller treats ``dest`` as
+    garbage on any error. Returns the header and the metadata.
     """
     head = _read_exact(stream, 8)
     (hlen,) = struct.unpack("<Q", head)
@@ -316,9 +348,15 @@ def read_fragment_into(
         raise WireError(f"malformed body: header length {hlen} does not fit a {length}-byte body")
     meta, entries = _parse_header(memoryview(_read_exact(stream, hlen)))
     header = _meta_to_header(FragmentHeader, meta)
-    got = {e.name for e in entries}
-    if got != set(dest):
-        raise WireError(f"tensors {sorted(got ^ set(dest))[:4]} missing or unexpected")
+    unchanged = header.unchanged_names()
+    if not set(unchanged) <= set(keep) or len(set(unchanged)) != len(unchanged):
+        raise WireError(
+            f"the body leaves out {sorted(set(unchanged) - set(keep))[:4] or unchanged[:4]} as "
+            "unchanged: not slices the request offered to keep, or listed twice"
+        )
+    got, want = {e.name for e in entries}, set(dest) - set(unchanged)
+    if got != want:
+        raise WireError(f"tensors {sorted(got ^ want)[:4]} missing or unexpected")
     for e in _check_layout(entries, length - 8 - hlen):
         out = dest[e.name]
         if e.dtype != out.dtype or e.numel != out.numel() or len(e.shape) != 1:

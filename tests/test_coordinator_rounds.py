@@ -504,8 +504,9 @@ def _fresh_encoding(coord, fragment, world_size, rank):
     frag = coord.plan.fragments[fragment]
     full = coord.global_tensors()
     header = wire.FragmentHeader(
-        fragment=fragment, version=coord.versions()[fragment], world_size=world_size, rank=rank
-    )
+        fragment=fragment, version=coord.versions()[fragment], world_size=world_size, rank=rank,
+        epoch=coord.epoch,
+    )  # fmt: skip
     return wire.encode_fragment(header, rank_slices(frag, full, world_size, rank))
 
 
@@ -995,6 +996,52 @@ def test_what_a_crash_leaves_on_disk_is_read_back_the_same_by_the_coordinator_an
     reply = _send_rank(again, "b", 0, step=2, rank=1, world_size=2, base=0)  # the other half
     assert reply["status"] == "dropped", reply
     assert again.status()["islands"]["b"]["dropped"] == 1  # the same contribution
+
+
+def test_a_download_leaves_out_the_kept_slices_that_did_not_change(tiny_config_path, tmp_path):
+    """Slices frozen everywhere keep their values merge after merge: a download after the
+    island's version leaves out those it offers to keep (``keep``, same ``epoch``)."""
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy)
+    coord.register("a", 1, coord.plan.signature)
+    frag = next(f for f in coord.plan.fragments if len(f.names) >= 3)
+    frozen, moved, *rest = frag.names
+    everything = wire.keep_mask(frag.names, frag.names)
+
+    def merge(step, zeros):
+        header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=frag.index,
+                                   base_version=coord.versions()[frag.index], step=step,
+                                   tokens=10, steps=2, zeros=",".join(zeros))  # fmt: skip
+        body = {p.name: torch.full((p.numel,), 1e-3) for p in frag.params if p.name not in zeros}
+        assert coord.upload(wire.encode_upload(header, body))["status"] == "accepted"
+        assert coord.poll(frag.index).merge
+
+    served = {"download_bytes": 0, "unchanged_bytes": 0}
+
+    def left_out(after, keep=everything, epoch=None):
+        version, body = coord.download(frag.index, 1, 0, after, keep, epoch or coord.epoch)
+        header, tensors = wire.decode_fragment(bytes(body))
+        served["download_bytes"] += len(body)
+        numel = {p.name: p.numel for p in frag.params}
+        served["unchanged_bytes"] += 4 * sum(numel[n] for n in header.unchanged_names())
+        glob = coord.global_tensors()
+        assert set(tensors) == set(frag.names) - set(header.unchanged_names())
+        assert all(torch.equal(t, glob[n].reshape(-1)) for n, t in tensors.items())
+        assert header.epoch == coord.epoch and header.version == version
+        return header.unchanged_names()
+
+    merge(2, zeros=[frozen])  # v1: the frozen slice merged as 0, all others moved
+    merge(4, zeros=[frozen, moved])  # v2: ``moved`` gets 0 too, but its momentum moves it
+    assert left_out(after=1) == [frozen]
+    assert left_out(after=0) == [frozen]  # never changed: not since v0 either
+    assert left_out(after=1, keep=wire.keep_mask(frag.names, rest)) == []  # not offered
+    assert left_out(after=None) == []  # no version held: everything
+    assert left_out(after=1, epoch="another-process") == []  # versions of another coordinator
+    traffic = coord.status()["traffic"]  # the bytes served and saved (/metrics counters)
+    assert {k: traffic[k] for k in served} == served and served["unchanged_bytes"] > 0
+    for bad, message in [("zz", "hexadecimal"), (format(1 << len(frag.names), "x"), "has")]:
+        with pytest.raises(CoordinatorError, match=message):
+            coord.download(frag.index, 1, 0, 1, bad, coord.epoch)
 
 
 def test_versions_never_go_back_when_durable_merges_was_turned_off(tiny_config_path, tmp_path):

@@ -202,6 +202,10 @@ def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_pa
         for n in theta:
             assert torch.allclose(got[n], expected[n], atol=1e-6, rtol=1e-5), n
     assert client_for(server).versions() == [2, 2, 2, 2]
+    # Every island sent its whole model twice (fp32), and a header per upload.
+    model_bytes = 4 * sum(t.numel() for t in theta.values())
+    sent = client_for(server).status()["traffic"]["upload_bytes"]
+    assert 6 * model_bytes < sent < 6.1 * model_bytes, (sent, model_bytes)
     merged = client_for(server).status()["last_merge"]["0"]
     assert merged["islands"] == ["a", "b", "c"] and "all 3 live islands in" in merged["reason"]
     # The norms it reports: each island's pseudo-gradient of fragment 0, and the merged one.

@@ -51,6 +51,7 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
         "run": {"goodput": 0.75, "uptime": 1.0, "by_quorum": {1: 4, 2: 4},
                 "by_staleness": {0: 10}},
         "last_merge": {"1": {"pseudo_gradient_norm": 0.5}},
+        "traffic": {"upload_bytes": 1000, "download_bytes": 2500, "unchanged_bytes": 4096},
     }  # fmt: skip
     text = prometheus_text(status)
     samples = [ln for ln in text.splitlines() if not ln.startswith("#")]
@@ -65,3 +66,6 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     assert text.count("# TYPE ds_diloco_goodput gauge") == 1
     assert 'ds_diloco_fragment_pseudo_gradient_norm{fragment="1"} 0.5' in samples
     assert not any('pseudo_gradient_norm{fragment="0"}' in ln for ln in samples)  # no merge
+    assert "ds_diloco_upload_bytes_total 1000" in samples
+    assert "ds_diloco_download_bytes_total 2500" in samples
+    assert "ds_diloco_download_unchanged_bytes_total 4096" in samples

@@ -83,6 +83,11 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
     lines = text.splitlines()
     assert "versions 1  merges 2 (1 per fragment, 0 failed)" in lines[0]
     assert "merges by islands in them: 2: 2" in lines[1]
+    sent = server.coord.traffic["upload_bytes"]  # 6 uploads; no download yet
+    assert sent > 0 and lines[2] == (
+        f"traffic since the coordinator started: uploads {sent / 1e6:,.1f} MB in, "
+        "downloads 0.0 MB out"
+    )
     row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
     assert row["a"][2] == "left" and row["b"][2] == "live"
     assert row["a"][5] == "2" and row["b"][5] == "2"  # contributions merged

@@ -162,10 +162,41 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         step = 0.7 * (0.01 + 0.9 * 0.01)  # outer Nesterov's first step, g = +0.01
         assert all(torch.allclose(got[n], glob[n] - step, atol=1e-6) for n in names[1:])
         wait_for(lambda: s.slots[0].arrived)
+        assert s.stats.unchanged == 1  # unchanged since v0: not downloaded, in the base
         assert s.on_step(2, tokens=64) == [0]
         assert torch.equal(params[frozen].detach(), glob[frozen])  # the global value, written
         s.close()
         check_apply_path([s], send_path)
+
+
+def test_a_parameter_frozen_on_one_island_and_trained_on_another_is_downloaded(
+    tiny_config_path, tmp_path
+):
+    """Only what did not change is left out: another island's steps on a slice this one
+    keeps frozen reach it."""
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        models = [model_from(tiny_config_path, seed=0) for _ in range(2)]
+        frozen = srv.coord.plan.fragments[0].names[0]
+        dict(models[0].named_parameters())[frozen].requires_grad_(False)
+        (a,), (b,) = (island_syncers(srv, client, n, m, 1) for n, m in zip("ab", models))
+        start = srv.coord.global_tensors()[frozen]
+        for s in (a, b):
+            s.bootstrap()
+        for step in range(1, 4):  # fragment 0 is sent at step 2, its result due at step 3
+            for s, model in zip((a, b), models):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(0.01 if p.requires_grad else 0.0)
+                if step == 3:
+                    wait_for(lambda s=s: s.slots[0].arrived)
+                s.on_step(step, tokens=64)
+        merged = srv.coord.global_tensors()[frozen]
+        assert srv.coord.versions()[0] == 1 and not torch.equal(merged, start)  # b moved it
+        assert torch.equal(dict(models[0].named_parameters())[frozen].detach(), merged)
+        assert a.stats.unchanged == 0 and a.stats.applied >= 1
+        for s in (a, b):
+            s.close()
 
 
 def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sent(

@@ -8,6 +8,7 @@ crashed handler); and what we write must be a file any safetensors reader opens.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import random
 import struct
@@ -228,6 +229,37 @@ def test_fragment_header_round_trip():
     header, got = wire.decode_fragment(wire.encode_fragment(FRAGMENT, slices))
     assert header == FRAGMENT
     assert_same(got, slices)
+
+
+def test_a_download_reads_into_dest_and_leaves_the_unchanged_slices_kept_as_they_are():
+    dest = {"a": torch.zeros(3), "b": torch.full((2,), 7.0), "c": torch.zeros(1)}
+    sent = {"a": torch.tensor([1.0, 2.0, 3.0]), "c": torch.tensor([4.0])}
+    header = dataclasses.replace(FRAGMENT, epoch="e1", unchanged="b")
+    body = wire.encode_fragment(header, sent)
+    got, _ = wire.read_fragment_into(io.BytesIO(body), len(body), dest, keep={"b"})
+    assert got == header and got.unchanged_names() == ["b"]
+    assert_same(dest, {**sent, "b": torch.full((2,), 7.0)})  # "b" is what it was
+    for keep, message in [((), r"leaves out \['b'\] as unchanged"), ({"a", "b"}, "")]:
+        if message:  # left out, though the request did not offer to keep it
+            with pytest.raises(wire.WireError, match=message):
+                wire.read_fragment_into(io.BytesIO(body), len(body), dest, keep=keep)
+        else:  # offered, but the answer may send it all the same
+            wire.read_fragment_into(io.BytesIO(body), len(body), dest, keep=keep)
+    twice = wire.encode_fragment(dataclasses.replace(header, unchanged="b,b"), sent)
+    with pytest.raises(wire.WireError, match="listed twice"):
+        wire.read_fragment_into(io.BytesIO(twice), len(twice), dest, keep={"b"})
+
+
+def test_keep_masks_round_trip_and_a_bad_one_is_named():
+    names = [f"t{i}" for i in range(70)]
+    for keep in ({"t0"}, {"t3", "t69"}, set(names)):
+        mask = wire.keep_mask(names, keep)
+        assert {names[i] for i in wire.parse_keep_mask(mask, len(names))} == keep
+    assert wire.keep_mask(names, ()) == "" and wire.keep_mask(names, {"other"}) == ""
+    for raw, message in [("", "hexadecimal"), ("0x1", "hexadecimal"), ("AB", "hexadecimal"),
+                         ("8", "names slice 3, the fragment has 3")]:  # fmt: skip
+        with pytest.raises(wire.WireError, match=message):
+            wire.parse_keep_mask(raw, 3)
 
 
 OPTIONAL = {"run": "", "final": 0, "zeros": ""}  # omitted at these values
