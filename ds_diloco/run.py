@@ -990,6 +990,12 @@ def _print_summary(s: dict) -> None:
         print(f"  {name}: {i['steps']} steps, {i['tokens']} tokens, sync time {i['sync_s']} s "
               f"(max {i['sync_max_s']} s per step), uploads {i['stats']['uploads']}, "
               f"dropped {i['stats']['dropped']}, failed {i['stats']['failed']}")  # fmt: skip
+    traffic = (s.get("coordinator") or {}).get("traffic")
+    if traffic:  # the coordinator's last launch (a restart counts from 0 again)
+        mb = {k: round(v / 1e6, 1) for k, v in traffic.items()}
+        print(f"coordinator traffic: uploads {mb['upload_bytes']} MB in, downloads "
+              f"{mb['download_bytes']} MB out, {mb['unchanged_bytes']} MB of unchanged "
+              "frozen slices left out")  # fmt: skip
     if "heldout_loss_initial" in s:
         line = f"held-out loss: initial {s['heldout_loss_initial']:.3f}"
         if "heldout_loss_merged" in s:

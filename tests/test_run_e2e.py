@@ -78,6 +78,15 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     # Goodput and uptime in the summary; loss and goodput as TensorBoard scalars.
     assert 0 < summary["goodput"] <= 1 and 0 < summary["uptime"] <= 1, summary
     assert summary["restarts"] == {} and summary["coordinator_restarts"] == 0
+    # The coordinator counted at least the bodies the ranks say they sent and read.
+    traffic = summary["coordinator"]["traffic"]
+    ranks = [
+        json.loads(p.read_text())["stats"] for p in workdir.glob("islands/*/summary-rank*.json")
+    ]
+    assert traffic["upload_bytes"] >= sum(r["bytes_sent"] for r in ranks) > 0, traffic
+    assert traffic["download_bytes"] >= sum(r["bytes_received"] for r in ranks) > 0, traffic
+    assert traffic["unchanged_bytes"] == 0  # nothing frozen
+    assert f"downloads {round(traffic['download_bytes'] / 1e6, 1)} MB out" in proc.stdout
     # The islands were started while the coordinator was starting up, not after it (the
     # same hundredth of a second when starting them took as long as its start-up: a CI
     # run on a loaded machine said 6.74 and 6.74).
