@@ -276,20 +276,34 @@ class DataConfig:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+"""``train.lr_schedule``: the inner learning rate after the warm-up."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The inner loop of one island."""
 
     steps: int = 200
-    """Inner steps to run (each: one micro-batch per rank, then an AdamW step)."""
+    """Inner steps to run (each: ``grad_accum`` micro-batches per rank, then an AdamW step)."""
     micro_batch: int = 4
-    """Sequences per rank per step."""
+    """Sequences per rank per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per inner step: their gradients are summed (DeepSpeed's
+    ``gradient_accumulation_steps``) before the AdamW step, so an island's batch is
+    micro_batch x grad_accum x its ranks. Every count in steps (warm-up, H, checkpoints,
+    logs) is one of these inner steps."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, with a warm-up or a decay)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up, in inner steps."""
+    lr_schedule: str = "constant"
+    """After the warm-up: ``constant`` (lr), or ``cosine``: from lr down to ``min_lr`` at
+    the last of ``steps`` (half a cosine)."""
+    min_lr: float = 0.0
+    """``cosine``'s learning rate at the last step."""
     blend_alpha: float = 0.0
     """Applying a merged fragment: local = alpha * local + (1 - alpha) * global (0: overwrite)."""
     keep_local_steps: bool = False
@@ -330,11 +344,19 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.sync_blocks < 0:
             raise ValueError(f"train.sync_blocks must be >= 0, got {self.sync_blocks}")
-        for name in ("steps", "micro_batch", "log_every", "eval_batches"):
+        for name in ("steps", "micro_batch", "grad_accum", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not _finite(self.lr, 0, strict=True):
             raise ValueError(f"train.lr must be > 0 and finite, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
+            )
+        if not (_finite(self.min_lr) and self.min_lr <= self.lr):
+            raise ValueError(
+                f"train.min_lr must be in [0, train.lr = {self.lr}], got {self.min_lr}"
+            )
         if not _finite(self.weight_decay):
             raise ValueError(f"train.weight_decay must be >= 0 and finite, got {self.weight_decay}")
         if not _finite(self.step_delay_s):

@@ -12,8 +12,10 @@ Rank 0 writes progress records (``progress.jsonl``) and every rank a summary
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import os
 import resource
 import statistics
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco import gc_tuning, zero
-from ds_diloco.config import IslandConfig
+from ds_diloco.config import IslandConfig, TrainConfig
 from ds_diloco.data import (
     BlockLoader,
     Blocks,
@@ -73,14 +75,46 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
         ) from None
 
 
-def deepspeed_config(cfg: IslandConfig, world_size: int) -> dict:
+def deepspeed_config(cfg: IslandConfig, world_size: int, warn: bool = False) -> dict:
+    """The island's DeepSpeed config: the file's, with the batch sizes of ``train``.
+
+    A micro-batch or accumulation count the file sets to a number that ``train``
+    contradicts is refused (it would be silently replaced); ``auto`` or a matching number
+    is fine. ``train_batch_size`` is always their product with ``world_size``. Its
+    optimizer and scheduler sections are not used (the inner optimizer is ours: torch
+    AdamW with ``train.lr``, ``train.lr_schedule``): ``warn`` logs that they are there.
+    """
     ds = json.loads(Path(cfg.deepspeed_config).read_text())
-    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch
-    ds["gradient_accumulation_steps"] = 1
-    ds["train_batch_size"] = cfg.train.micro_batch * world_size
-    ds.pop("optimizer", None)  # the inner optimizer is ours: torch AdamW
-    ds.pop("scheduler", None)
+    t = cfg.train
+    for key, name, value in (("train_micro_batch_size_per_gpu", "micro_batch", t.micro_batch),
+                             ("gradient_accumulation_steps", "grad_accum", t.grad_accum)):  # fmt: skip
+        got = ds.get(key, "auto")
+        if got != "auto" and got != value:
+            raise ValueError(
+                f"deepspeed_config {cfg.deepspeed_config}: {key} is {got!r}, but train.{name} "
+                f'is {value}: set it in the run\'s train section (or "auto" in the file)'
+            )
+        ds[key] = value
+    ds["train_batch_size"] = t.micro_batch * t.grad_accum * world_size
+    unused = [k for k in ("optimizer", "scheduler") if ds.pop(k, None) is not None]
+    if unused and warn:
+        log.warning("deepspeed_config %s: its %s section(s) are not used: the inner optimizer "
+                    "is AdamW with train.lr, train.weight_decay, train.warmup_steps and "
+                    "train.lr_schedule", cfg.deepspeed_config, " and ".join(unused))  # fmt: skip
     return ds
+
+
+def lr_multiplier(t: TrainConfig, step: int) -> float:
+    """The inner learning rate at optimizer step ``step`` (from 0), as a share of ``t.lr``:
+    a linear warm-up over ``t.warmup_steps``, then constant or a cosine down to ``t.min_lr``
+    at the last step."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - t.warmup_steps + 1) / max(1, t.steps - t.warmup_steps))
+    low = t.min_lr / t.lr
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 @torch.no_grad()
@@ -150,9 +184,10 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     train_blocks, heldout = load_blocks(cfg, rank)
     t = cfg.train
-    warmup = (lambda s: min(1.0, (s + 1) / t.warmup_steps)) if t.warmup_steps else None
-    ds_config = deepspeed_config(cfg, world)
-    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, warmup, t.freeze)
+    scheduled = t.warmup_steps or t.lr_schedule != "constant"
+    lr_lambda = functools.partial(lr_multiplier, t) if scheduled else None
+    ds_config = deepspeed_config(cfg, world, warn=rank == 0)
+    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, lr_lambda, t.freeze)
     # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
     # its last checkpoint, then takes the current global fragments like any island.
     ckpt_dir = workdir / "checkpoints"
@@ -172,7 +207,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
     )
-    for _ in range(start_step):  # the batches the checkpointed steps took
+    for _ in range(start_step * t.grad_accum):  # the batches the checkpointed steps took
         next(loader)
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
     if progress:  # when this launch's training began (goodput: allocated time), and where
@@ -189,16 +224,21 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
         slow.wait()
-        input_ids, labels = (x.to(engine.device) for x in next(loader))
-        loss = lm_loss(engine, input_ids, labels)
-        engine.backward(loss)
-        engine.step()
+        losses = []
+        for _ in range(t.grad_accum):  # DeepSpeed steps AdamW after the last one
+            input_ids, labels = (x.to(engine.device) for x in next(loader))
+            loss = lm_loss(engine, input_ids, labels)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        loss = sum(losses) / len(losses) if t.grad_accum > 1 else loss
         if t.step_delay_s:
             time.sleep(t.step_delay_s)
         t1 = time.perf_counter()
-        tokens += input_ids.numel() * world  # fixed-size blocks: the same on every rank
+        mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
+        tokens += mine * world
         on = not t.sync_blocks or (step - 1) // t.sync_blocks % 2 == 0  # the same on every rank
-        applied = learner.step(tokens=input_ids.numel()) if on else []
+        applied = learner.step(tokens=mine) if on else []
         t2 = time.perf_counter()
         step_s += t1 - t0
         sync_s += t2 - t1
@@ -236,6 +276,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "world_size": world,
         "steps": t.steps,
         "start_step": start_step,
+        "optimizer_steps": engine.global_steps,  # one per inner step, whatever grad_accum
+        "lr_end": engine.get_lr()[0],  # the schedule's last value
         "tokens": tokens,
         "wall_s": round(wall, 2),
         "start_wait_s": round(waited_s, 3),

@@ -80,8 +80,9 @@ def check_islands_inputs(cfg: RunConfig) -> None:
     spec = cfg.islands[0]  # the same file for every island; world size 1 here (no world)
     island = IslandConfig(island=spec.name, coordinator_url="http://127.0.0.1:1", model=cfg.model,
                           deepspeed_config=cfg.deepspeed_config, data=cfg.data, train=cfg.train)  # fmt: skip
+    ds = deepspeed_config(island, 1, warn=True)  # its own errors say what to change
     try:
-        DeepSpeedConfig(deepspeed_config(island, 1))
+        DeepSpeedConfig(ds)
     except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
         first = str(e).strip().splitlines()
         raise ValueError(

@@ -216,7 +216,9 @@ def test_deepspeed_config_is_accepted_by_deepspeed(path, deepspeed_on_cpu):
 def test_cpu_deepspeed_config_runs_on_cpu(deepspeed_on_cpu):
     """What the CPU runs need (shared/reference/deepspeed-on-cpu.md)."""
     raw = json.loads((REPO / "model_configs" / "deepspeed" / "zero3_cpu.json").read_text())
-    cfg = deepspeed_on_cpu({**raw, "train_micro_batch_size_per_gpu": 1})
+    cfg = deepspeed_on_cpu(
+        {**raw, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    )
     assert not cfg.bfloat16_config.enabled and not cfg.float16_config.enabled  # fp32
     assert cfg.zero_config.param_persistence_threshold == 0  # tiny models really partition
     assert cfg.zero_force_ds_cpu_optimizer is False
@@ -226,7 +228,9 @@ def test_cpu_deepspeed_config_runs_on_cpu(deepspeed_on_cpu):
 @pytest.mark.parametrize("name", ["zero3_gpu.json", "zero3_gpu_offload.json"])
 def test_gpu_deepspeed_configs_train_in_bf16(name, deepspeed_on_cpu):
     raw = json.loads((REPO / "model_configs" / "deepspeed" / name).read_text())
-    cfg = deepspeed_on_cpu({**raw, "train_micro_batch_size_per_gpu": 1})
+    cfg = deepspeed_on_cpu(
+        {**raw, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    )
     assert cfg.bfloat16_config.enabled and not cfg.float16_config.enabled
     assert cfg.zero_config.overlap_comm and cfg.zero_config.contiguous_gradients
     offload = [cfg.zero_config.offload_param, cfg.zero_config.offload_optimizer]
@@ -361,6 +365,10 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
         ({"train.step_delay_s": NAN}, r"train.step_delay_s must be >= 0 and finite, got nan"),
         ({"train.step_delay_s": INF}, r"train.step_delay_s must be >= 0 and finite, got inf"),
         ({"train.seed": -1}, r"train.seed must be >= 0, got -1"),
+        ({"train.grad_accum": 0}, r"train.grad_accum must be >= 1, got 0"),
+        ({"train.lr_schedule": "linear"}, r"train.lr_schedule must be one of constant, cosine, got 'linear'"),
+        ({"train.min_lr": 0.01}, r"train.min_lr must be in \[0, train.lr = 0.001\], got 0.01"),
+        ({"train.min_lr": NAN}, r"train.min_lr must be in \[0, train.lr = 0.001\], got nan"),
         ({"data.seed": -1}, r"data.seed must be >= 0, got -1"),
         ({"restart_backoff_s": NAN}, r"restart_backoff_s must be >= 0 \(and finite\), got 5 and nan"),
         ({"coordinator.max_body_mb": NAN}, r"^coordinator: max_body_mb must be > 0 and finite, got nan"),

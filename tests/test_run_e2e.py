@@ -832,6 +832,10 @@ def test_a_mistyped_data_path_clears_nothing_and_starts_nothing(tmp_path, tiny_c
          "coordinator: num_fragments must be in [1, "),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
          "is refused by DeepSpeed"),
+        # Silently replaced before: the run trained with 1.
+        ({"gradient_accumulation_steps": 8},
+         "gradient_accumulation_steps is 8, but train.grad_accum is 1: set it in the run's "
+         "train section"),
     ],
 )  # fmt: skip
 def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_islands_start(
@@ -852,6 +856,32 @@ def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_island
     proc = _run_cli(run_file)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "islands").exists()  # none was started
+
+
+def test_an_inner_step_accumulates_micro_batches_and_the_lr_follows_its_schedule(
+    tmp_path, tiny_config_path
+):
+    # train.grad_accum: 2 micro-batches per AdamW step (DeepSpeed's accumulation; before,
+    # the island forced 1 whatever the file said); a cosine schedule down to min_lr.
+    run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}], 8)
+    run = json.loads(run_file.read_text())
+    run["train"].update(grad_accum=2, warmup_steps=2, lr_schedule="cosine", min_lr=3e-4)
+    run["export"] = False
+    run_file.write_text(json.dumps(run))
+    proc = run_cli(run_file)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    per_step = 2 * 4 * 32  # micro-batches x micro-batch x seq_len, each rank
+    for rank in (0, 1):
+        s = json.loads(
+            (tmp_path / "run" / "islands" / "a" / f"summary-rank{rank}.json").read_text()
+        )
+        assert s["steps"] == 8 and s["optimizer_steps"] == 8, s  # one AdamW step per inner step
+        assert s["tokens"] == 8 * per_step * 2  # the island's: both ranks
+        assert s["lr_end"] == pytest.approx(3e-4)
+        assert s["stats"]["uploads"] >= 2 and s["stats"]["applied"] >= 2, s["stats"]
+    merged = json.loads((tmp_path / "run" / "summary.json").read_text())["coordinator"]
+    tokens = merged["islands"]["a"]["tokens_merged"]
+    assert tokens > 0 and tokens % (per_step * 2) == 0, tokens  # whole inner steps
 
 
 def run_cli(run_file: Path) -> subprocess.CompletedProcess:
