@@ -452,6 +452,10 @@ class IslandSpec:
 
     include: str | None = None
     """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'."""
+    train: TrainConfig | None = None
+    """This island's inner loop. In a run file, keys given here override the run's
+    ``train`` section for this island alone (islands on other hardware: a larger
+    micro-batch, more accumulation, a learning rate to match); None: the run's."""
 
     def __post_init__(self):
         if not valid_island_id(self.name):
@@ -490,7 +494,7 @@ class RunConfig:
     coordinator: CoordinatorConfig
     """Outer settings (its model and state_dir default to the run's)."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    """Inner-loop settings, the same on every island."""
+    """Inner-loop settings of every island but those with their own (``islands[].train``)."""
     workdir: str = "runs/run"
     """Coordinator state, island logs and progress, the export and the summary."""
     export: bool = True
@@ -512,6 +516,10 @@ class RunConfig:
     coordinator do not count."""
     restart_backoff_s: float = 1.0
     """Wait before the first restart; doubles per restart of the same process, up to 30 s."""
+
+    def train_of(self, spec: IslandSpec) -> TrainConfig:
+        """The inner-loop settings island ``spec`` runs with."""
+        return spec.train or self.train
 
     def __post_init__(self):
         if not self.islands:
@@ -862,6 +870,19 @@ def load_island_config(path: str | os.PathLike) -> IslandConfig:
     return cfg
 
 
+def _island_train(islands, train):
+    """The run file's islands, each ``train`` override on top of the run's section (keys
+    it does not give are the run's); the rest is checked when the configs are built."""
+    if not isinstance(islands, list) or not isinstance(train, dict):
+        return islands
+    out = []
+    for spec in islands:
+        if isinstance(spec, dict) and isinstance(spec.get("train"), dict):
+            spec = {**spec, "train": {**train, **spec["train"]}}
+        out.append(spec)
+    return out
+
+
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     """A run file; the coordinator section takes the run's model and workdir/state by default."""
     base = Path(path).resolve().parent
@@ -881,6 +902,7 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     )  # fmt: skip
     coord.setdefault("model", data["model"])
     coord.setdefault("state_dir", str(Path(workdir) / "state"))
+    data = {**data, "islands": _island_train(data.get("islands"), data.get("train", {}))}
     # The run's model first: its errors are named 'model', not 'coordinator.model'.
     cfg = from_dict(RunConfig, {"model": data["model"], **data, "coordinator": coord})
     _check_files(cfg)

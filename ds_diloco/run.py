@@ -77,18 +77,22 @@ def check_islands_inputs(cfg: RunConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks get it (_env)
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    spec = cfg.islands[0]  # the same file for every island; world size 1 here (no world)
-    island = IslandConfig(island=spec.name, coordinator_url="http://127.0.0.1:1", model=cfg.model,
-                          deepspeed_config=cfg.deepspeed_config, data=cfg.data, train=cfg.train)  # fmt: skip
-    ds = deepspeed_config(island, 1, warn=True)  # its own errors say what to change
-    try:
-        DeepSpeedConfig(ds)
-    except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
-        first = str(e).strip().splitlines()
-        raise ValueError(
-            f"deepspeed_config {cfg.deepspeed_config!r} is refused by DeepSpeed: "
-            + "; ".join(line.strip() for line in first[:4])
-        ) from None
+    for i, spec in enumerate(cfg.islands):  # one file; batch sizes by island (world size 1)
+        island = IslandConfig(island=spec.name, coordinator_url="http://127.0.0.1:1",
+                              model=cfg.model, deepspeed_config=cfg.deepspeed_config,
+                              data=cfg.data, train=cfg.train_of(spec))  # fmt: skip
+        try:  # its own errors say what to change; this says which island's settings
+            ds = deepspeed_config(island, 1, warn=i == 0)
+        except ValueError as e:
+            raise ValueError(f"islands[{spec.name}]: {e}" if spec.train else str(e)) from None
+        try:
+            DeepSpeedConfig(ds)
+        except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
+            first = str(e).strip().splitlines()
+            raise ValueError(
+                f"deepspeed_config {cfg.deepspeed_config!r} is refused by DeepSpeed: "
+                + "; ".join(line.strip() for line in first[:4])
+            ) from None
 
 
 _PORTS_GIVEN: set[int] = set()
@@ -302,7 +306,7 @@ class LocalRun:
             island=spec.name,
             coordinator_url=self.island_urls.get(spec.name, self.url or "http://127.0.0.1:9"),
             model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
-            data=self.cfg.data, train=self.cfg.train, shard=shard, num_shards=num_shards,
+            data=self.cfg.data, train=self.cfg.train_of(spec), shard=shard, num_shards=num_shards,
             workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
             connect_timeout_s=ISLAND_CONNECT_S, coordinator_ca=self._coordinator_ca(spec.name),
         )  # fmt: skip
@@ -765,7 +769,7 @@ def resume_point(cfg: RunConfig) -> dict:
         d = Path(cfg.workdir) / "islands" / spec.name
         done = d / "summary-rank0.json"
         summary = _json_or_none(done.read_text()) if done.is_file() else None
-        if isinstance(summary, dict) and summary.get("steps", 0) >= cfg.train.steps:
+        if isinstance(summary, dict) and summary.get("steps", 0) >= cfg.train_of(spec).steps:
             out[spec.name] = {"done": True}
             continue
         latest = d / "checkpoints" / "latest"

@@ -330,6 +330,23 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
     return write_yaml(tmp_path / "run.yaml", with_changes(RUN, changes))
 
 
+def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
+    run = load_run_config(write_run(tmp_path / "conf", {
+        "train": {"steps": 50, "micro_batch": 4, "lr": 0.01, "freeze": ["embed"]},
+        "islands": [{"name": "big", "world_size": 2, "train": {"micro_batch": 16, "grad_accum": 2}},
+                    {"name": "small"}],
+    }))  # fmt: skip
+    big, small = (run.train_of(s) for s in run.islands)
+    assert (big.micro_batch, big.grad_accum, big.lr, big.steps, big.freeze) == (
+        16,
+        2,
+        0.01,
+        50,
+        ("embed",),
+    )
+    assert small == run.train and small.micro_batch == 4 and small.grad_accum == 1
+
+
 @pytest.mark.parametrize(
     "changes,message",
     [
@@ -366,6 +383,11 @@ def write_run(tmp_path: Path, changes: dict) -> Path:
         ({"train.step_delay_s": INF}, r"train.step_delay_s must be >= 0 and finite, got inf"),
         ({"train.seed": -1}, r"train.seed must be >= 0, got -1"),
         ({"train.grad_accum": 0}, r"train.grad_accum must be >= 1, got 0"),
+        ({"islands": [{"name": "a", "train": {"grad_accum": 0}}]}, r"train.grad_accum must be >= 1, got 0"),
+        ({"islands": [{"name": "a", "train": {"micro_batchs": 8}}]}, r"unknown key\(s\) 'islands.train.micro_batchs'"),
+        # An island's own lr (3e-4) is what its min_lr is checked against, not the run's.
+        ({"islands": [{"name": "a", "train": {"lr": 3e-4, "lr_schedule": "cosine", "min_lr": 5e-4}}]},
+         r"train.min_lr must be in \[0, train.lr = 0.0003\], got 0.0005"),
         ({"train.lr_schedule": "linear"}, r"train.lr_schedule must be one of constant, cosine, got 'linear'"),
         ({"train.min_lr": 0.01}, r"train.min_lr must be in \[0, train.lr = 0.001\], got 0.01"),
         ({"train.min_lr": NAN}, r"train.min_lr must be in \[0, train.lr = 0.001\], got nan"),

@@ -884,6 +884,26 @@ def test_an_inner_step_accumulates_micro_batches_and_the_lr_follows_its_schedule
     assert tokens > 0 and tokens % (per_step * 2) == 0, tokens  # whole inner steps
 
 
+def test_islands_with_their_own_batch_sizes_merge_weighted_by_their_tokens(
+    tmp_path, tiny_config_path
+):
+    # islands[].train: island b (other hardware) takes micro-batches of 2, three per step.
+    islands = [{"name": "a"}, {"name": "b", "train": {"micro_batch": 2, "grad_accum": 3}}]
+    run_file = write_run_file(tmp_path, tiny_config_path, islands, 8)
+    run = json.loads(run_file.read_text())
+    run["export"] = False
+    run_file.write_text(json.dumps(run))
+    proc = run_cli(run_file)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    per_step = {"a": 4 * 32, "b": 2 * 3 * 32}  # micro-batch x micro-batches x seq_len
+    coordinator = json.loads((tmp_path / "run" / "summary.json").read_text())["coordinator"]
+    for name, tokens in per_step.items():
+        s = json.loads((tmp_path / "run" / "islands" / name / "summary-rank0.json").read_text())
+        assert s["tokens"] == 8 * tokens and s["optimizer_steps"] == 8, s
+        merged = coordinator["islands"][name]["tokens_merged"]
+        assert merged > 0 and merged % tokens == 0, (name, merged)  # counted as it trained
+
+
 def run_cli(run_file: Path) -> subprocess.CompletedProcess:
     """``ds-diloco run FILE`` to its end, offline, its output captured."""
     return subprocess.run(

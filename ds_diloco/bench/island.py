@@ -155,9 +155,13 @@ def default_run_config(steps: int = DEFAULT_STEPS, workdir: str = "runs/bench-is
 
 
 def one_island(cfg: RunConfig, steps: int | None = None) -> RunConfig:
-    """``cfg`` cut to its first island (plain ZeRO-3 runs one job), ``steps`` if given."""
-    train = cfg.train if steps is None else dataclasses.replace(cfg.train, steps=steps)
-    return dataclasses.replace(cfg, islands=cfg.islands[:1], train=train, export=False)
+    """``cfg`` cut to its first island (plain ZeRO-3 runs one job), with that island's
+    ``train`` as the run's, ``steps`` if given."""
+    first = cfg.islands[0]
+    train = cfg.train_of(first)
+    train = train if steps is None else dataclasses.replace(train, steps=steps)
+    island = dataclasses.replace(first, train=None)
+    return dataclasses.replace(cfg, islands=(island,), train=train, export=False)
 
 
 # ------------------------------------------------------------------ launches

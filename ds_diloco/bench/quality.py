@@ -577,11 +577,10 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             lr.spawn_coordinator()  # it starts up while the islands do
         t0 = time.monotonic()
         for shard, spec in enumerate(cfg.islands):
-            if shard == 0 and m.slow_s:  # LocalRun builds every island from cfg.train
+            if shard == 0 and m.slow_s:  # the slow island: a train section of its own
                 slow = dataclasses.replace(cfg.train, step_delay_s=m.slow_s, steps=s.steps // 2)
-                lr.cfg = dataclasses.replace(cfg, train=slow)
+                spec = dataclasses.replace(spec, train=slow)
             lr.start_island(spec, shard, len(cfg.islands), plain=m.kind == "zero3")
-            lr.cfg = cfg
         client = None if m.kind == "zero3" else lr.wait_for_coordinator()
         plan = client and FragmentPlan.from_json(client.plan()["plan"])
         targets = [s.tokens * k // s.points for k in range(1, s.points)]

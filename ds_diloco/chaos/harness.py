@@ -295,8 +295,12 @@ def _stop_all(
 
 def _with_workdir(cfg: RunConfig, workdir: Path, **train) -> RunConfig:
     coord = dataclasses.replace(cfg.coordinator, state_dir=str(workdir / "state"))
+    islands = tuple(  # an island's own train section gets the same changes
+        dataclasses.replace(s, train=dataclasses.replace(s.train, **train)) if s.train else s
+        for s in cfg.islands
+    )
     return dataclasses.replace(cfg, workdir=str(workdir), coordinator=coord, export=True,
-                               train=dataclasses.replace(cfg.train, **train))  # fmt: skip
+                               train=dataclasses.replace(cfg.train, **train), islands=islands)  # fmt: skip
 
 
 def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout) -> dict:
