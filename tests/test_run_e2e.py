@@ -904,6 +904,23 @@ def test_islands_with_their_own_batch_sizes_merge_weighted_by_their_tokens(
         assert merged > 0 and merged % tokens == 0, (name, merged)  # counted as it trained
 
 
+def test_an_islands_own_batch_settings_that_its_deepspeed_file_contradicts_are_named(
+    tmp_path, tiny_config_path
+):
+    islands = [{"name": "a"}, {"name": "b", "train": {"grad_accum": 3}}]
+    run_file = write_run_file(tmp_path, tiny_config_path, islands, 2)
+    run = json.loads(run_file.read_text())
+    ds = json.loads(Path(run["deepspeed_config"]).read_text())
+    (tmp_path / "ds.json").write_text(json.dumps({**ds, "gradient_accumulation_steps": 1}))
+    run["deepspeed_config"] = str(tmp_path / "ds.json")  # fine for a, not for b
+    run_file.write_text(json.dumps(run))
+    proc = _run_cli(run_file)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "islands[b]: deepspeed_config" in proc.stderr, proc.stderr[-2000:]
+    assert "gradient_accumulation_steps is 1, but train.grad_accum is 3" in proc.stderr
+    assert not (tmp_path / "run" / "islands").exists()  # none was started
+
+
 def run_cli(run_file: Path) -> subprocess.CompletedProcess:
     """``ds-diloco run FILE`` to its end, offline, its output captured."""
     return subprocess.run(
