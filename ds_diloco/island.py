@@ -191,7 +191,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
     # its last checkpoint, then takes the current global fragments like any island.
     ckpt_dir = workdir / "checkpoints"
-    start_step, tokens = zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0)
+    start_step, tokens, batches = (
+        zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0, 0)
+    )
     if plain:
         learner = _NoSync()
     else:  # joins the run: registers, checks the model, takes the global fragments
@@ -207,7 +209,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
     )
-    for _ in range(start_step * t.grad_accum):  # the batches the checkpointed steps took
+    for _ in range(batches):  # the batches the checkpointed steps took (whatever grad_accum was)
         next(loader)
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
     if progress:  # when this launch's training began (goodput: allocated time), and where
@@ -231,6 +233,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
+        batches += t.grad_accum
         loss = sum(losses) / len(losses) if t.grad_accum > 1 else loss
         if t.step_delay_s:
             time.sleep(t.step_delay_s)
@@ -266,7 +269,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
                     "(a restart resumes the last checkpoint, saved while it was, and takes "
                     "the global model)"
                 )
-            zero.save_checkpoint(engine, ckpt_dir, step, {"step": step, "tokens": tokens})
+            state = {"step": step, "tokens": tokens, "batches": batches}
+            zero.save_checkpoint(engine, ckpt_dir, step, state)
     wall = time.perf_counter() - t_start
     learner.close(leave=True)  # done for good: no quorum should count on this island now
     end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
@@ -279,6 +283,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "optimizer_steps": engine.global_steps,  # one per inner step, whatever grad_accum
         "lr_end": engine.get_lr()[0],  # the schedule's last value
         "tokens": tokens,
+        "batches": batches,  # micro-batches this rank's data has given, resumed launches included
         "wall_s": round(wall, 2),
         "start_wait_s": round(waited_s, 3),
         "train_s": round(step_s, 3),

@@ -281,11 +281,13 @@ def checkpoint_world_size(folder: Path) -> int | None:
     return state.get("dp_world_size")
 
 
-def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
-    """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens)."""
+def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
+    """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens,
+    micro-batches read); (0, 0, 0) if none. Checkpoints from before gradient accumulation
+    read one micro-batch per step."""
     pointer = directory / LATEST
     if not pointer.exists():
-        return 0, 0
+        return 0, 0, 0
     tag = pointer.read_text().strip()
     if not tag or not (directory / tag).is_dir():
         raise RuntimeError(
@@ -302,11 +304,12 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int]:
                 "starting from the global model; its AdamW state is not carried over",
                 directory / tag, written_by, engine.dp_world_size,
             )  # fmt: skip
-        return 0, 0
+        return 0, 0, 0
     path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
         raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
-    return int(client_state["step"]), int(client_state["tokens"])
+    step = int(client_state["step"])
+    return step, int(client_state["tokens"]), int(client_state.get("batches", step))
 
 
 AGREEMENT_ENV = "DS_DILOCO_GLOO_AGREEMENT"

@@ -206,7 +206,9 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
 
-    run["train"]["steps"] = 8
+    # ... with 2 micro-batches per step from now on: the data goes on after the 6 batches
+    # read, not after 6 x 2 (the checkpoint says how many were read).
+    run["train"].update(steps=8, grad_accum=2)
     run_file.write_text(json.dumps(run))
     resumed = ds_diloco_run(run_file, "--resume")
     leftovers = kill_leftovers(workdir)
@@ -219,4 +221,5 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     assert summary["resumed_from"] == {"a": {"step": 6}}
     island = summary["islands"]["a"]
     assert island["start_step"] == 6 and island["steps"] == 8
-    assert island["tokens"] == 8 * TOKENS_PER_STEP  # each step's tokens counted once
+    assert island["tokens"] == (6 + 2 * 2) * TOKENS_PER_STEP  # each step's tokens counted once
+    assert island["batches"] == 6 + 2 * 2 and island["optimizer_steps"] == 8, island
