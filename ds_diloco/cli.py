@@ -374,19 +374,12 @@ def program() -> int:
 
 
 def _leave_at_once(code: int) -> None:
-    """Flush what the process wrote and exit without the interpreter's teardown.
+    """An island rank is done once its summary is written and its process group
+    destroyed: it exits without the interpreter's teardown, where gloo's threads once
+    aborted it after a bench launch (:func:`zero.exit_without_teardown`)."""
+    from ds_diloco import zero
 
-    An island rank is done once its summary is written and its process group destroyed.
-    At teardown the C++ objects still alive (gloo's and the rendezvous store's threads)
-    are destroyed in no set order, and a thread still joinable aborts the process
-    ("terminate called without an active exception", SIGABRT): the launcher then fails
-    the island, which had finished (seen in a bench launch here, after
-    ``zero.shutdown``).
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    zero.exit_without_teardown(code)
 
 
 if __name__ == "__main__":

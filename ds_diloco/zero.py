@@ -389,6 +389,23 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """Flush what the process wrote (stdout, stderr, logging) and exit with ``code``
+    without the interpreter's teardown; for a script whose work is done.
+
+    At teardown the C++ objects still alive (gloo's and the rendezvous store's threads)
+    are destroyed in no set order, and a thread still joinable aborts the process
+    ("terminate called without an active exception", SIGABRT), even after
+    ``destroy_process_group`` (their groups outlive it). The launcher then fails a job
+    that had finished: seen in ``ds-diloco island`` and in the examples' e2e tests.
+    atexit handlers do not run: close the Learner and save everything first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def teardown_gloo() -> None:
     """Destroy a gloo process group the script left up (for an interpreter exit hook).
 
