@@ -367,19 +367,12 @@ def program() -> int:
     """``main`` as a process (the console script, ``python -m ds_diloco.cli``): exits
     without the interpreter's last full collection."""
     code = main()
-    if _exit_at_once:
-        _leave_at_once(code)
+    if _exit_at_once:  # an island rank, done: gloo's threads can abort the teardown
+        from ds_diloco import zero
+
+        zero.exit_without_teardown(code)
     gc_tuning.before_exit()
     return code
-
-
-def _leave_at_once(code: int) -> None:
-    """An island rank is done once its summary is written and its process group
-    destroyed: it exits without the interpreter's teardown, where gloo's threads once
-    aborted it after a bench launch (:func:`zero.exit_without_teardown`)."""
-    from ds_diloco import zero
-
-    zero.exit_without_teardown(code)
 
 
 if __name__ == "__main__":

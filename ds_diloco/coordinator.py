@@ -749,10 +749,9 @@ class Coordinator:
         if after is None or epoch != self.epoch:
             kept = []  # not this process's version: nothing is known unchanged
         left_out = tuple(i for i in kept if served.changed_at[i] <= after)
-        ranges = self._ranges(fs, world_size, rank)
         body = served.bodies.get((world_size, rank, left_out))
         if body is None:
-            omitted = set(left_out)
+            omitted, ranges = set(left_out), self._ranges(fs, world_size, rank)
             slices = {  # cut from served.data: the body keeps the version's buffer alive
                 s.name: torch.from_numpy(served.data[s.offset + a : s.offset + b])
                 for i, (s, (a, b)) in enumerate(zip(fs.segments, ranges))
@@ -766,7 +765,9 @@ class Coordinator:
             if len(served.bodies) < _MAX_CACHED_BODIES:  # bounded, whatever clients ask
                 served.bodies[(world_size, rank, left_out)] = body
         self.traffic["download_bytes"] += len(body)
-        self.traffic["unchanged_bytes"] += sum(4 * (ranges[i][1] - ranges[i][0]) for i in left_out)
+        self.traffic["unchanged_bytes"] += 4 * sum(
+            shard_numel(fs.segments[i].numel, world_size, rank) for i in left_out
+        )
         return served.version, body
 
     def touch(self, island: str) -> None:

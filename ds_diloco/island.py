@@ -234,7 +234,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             engine.step()
             losses.append(loss.detach())
         batches += t.grad_accum
-        loss = sum(losses) / len(losses) if t.grad_accum > 1 else loss
+        loss = sum(losses) / len(losses)  # the step's mean, for the progress records
         if t.step_delay_s:
             time.sleep(t.step_delay_s)
         t1 = time.perf_counter()

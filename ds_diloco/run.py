@@ -997,12 +997,9 @@ def _print_summary(s: dict) -> None:
               f"dropped {i['stats']['dropped']}, failed {i['stats']['failed']}")  # fmt: skip
     traffic = (s.get("coordinator") or {}).get("traffic")
     if traffic:  # the coordinator's last launch (a restart counts from 0 again)
-        mb = {k: round(v / 1e6, 1) for k, v in traffic.items()}
-        line = (f"coordinator traffic: uploads {mb['upload_bytes']} MB in, downloads "
-                f"{mb['download_bytes']} MB out")  # fmt: skip
-        if traffic["unchanged_bytes"]:
-            line += f", {mb['unchanged_bytes']} MB of unchanged frozen slices left out"
-        print(line)
+        from ds_diloco.status_view import traffic_text
+
+        print(f"coordinator traffic: {traffic_text(traffic)}")
     if "heldout_loss_initial" in s:
         line = f"held-out loss: initial {s['heldout_loss_initial']:.3f}"
         if "heldout_loss_merged" in s:

@@ -28,6 +28,16 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def traffic_text(traffic: dict) -> str:
+    """The coordinator's ``traffic`` counters (``/v1/status``) in a line's words."""
+    text = (
+        f"uploads {_mb(traffic['upload_bytes'])} in, downloads {_mb(traffic['download_bytes'])} out"
+    )
+    if traffic["unchanged_bytes"]:
+        text += f" ({_mb(traffic['unchanged_bytes'])} of unchanged frozen slices left out)"
+    return text
+
+
 def _range(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return str(lo) if lo == hi else f"{lo}..{hi}"
@@ -64,12 +74,7 @@ def _render(st: dict, url: str) -> str:
     ]
     traffic = st.get("traffic")  # not from a coordinator before this field
     if traffic:
-        left_out = traffic["unchanged_bytes"]
-        out.append(
-            f"traffic since the coordinator started: uploads {_mb(traffic['upload_bytes'])} in, "
-            f"downloads {_mb(traffic['download_bytes'])} out"
-            + (f" ({_mb(left_out)} of unchanged frozen slices left out)" if left_out else "")
-        )
+        out.append(f"traffic since the coordinator started: {traffic_text(traffic)}")
     islands = st["islands"]
     if islands:
         cols = ("island", "ranks", "state", "step", "step time", "merged", "dropped",

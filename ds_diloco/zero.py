@@ -383,7 +383,7 @@ def shutdown() -> None:
     Left to interpreter exit, its threads (gloo's, the store's) are torn down in no
     set order; a rank once aborted there ("terminate called without an active
     exception") after finishing its work, failing the launch. It still did now and then,
-    so ``ds-diloco island`` then leaves without teardown (``cli._leave_at_once``).
+    so ``ds-diloco island`` then leaves without teardown (:func:`exit_without_teardown`).
     """
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -86,7 +86,7 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     assert traffic["upload_bytes"] >= sum(r["bytes_sent"] for r in ranks) > 0, traffic
     assert traffic["download_bytes"] >= sum(r["bytes_received"] for r in ranks) > 0, traffic
     assert traffic["unchanged_bytes"] == 0  # nothing frozen
-    assert f"downloads {round(traffic['download_bytes'] / 1e6, 1)} MB out" in proc.stdout
+    assert f"downloads {traffic['download_bytes'] / 1e6:,.1f} MB out" in proc.stdout
     # The islands were started while the coordinator was starting up, not after it (the
     # same hundredth of a second when starting them took as long as its start-up: a CI
     # run on a loaded machine said 6.74 and 6.74).
