@@ -34,7 +34,7 @@ import torch
 
 from ds_diloco import compress, wire
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
-from ds_diloco.fragment_state import Contribution, FragmentState
+from ds_diloco.fragment_state import Contribution, FragmentState, RowPool
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.island_table import (
     IslandRecord,
@@ -120,6 +120,8 @@ class Coordinator:
         # Buffers of the largest fragment's size that merges borrow to copy the outer
         # state they may have to put back: as many as merges run at once, not one per fragment.
         self._scratch: list[torch.Tensor] = []
+        # The contributions' rows, shared by all fragments (see RowPool): made with the plan.
+        self._rows: RowPool | None = None
         self.metrics = RunMetrics(cfg.uptime_window_s)
         # This run's id, made with its state dir and kept in it (a backup put back keeps it):
         # islands send it with their uploads (see _adopt_unknown).
@@ -159,9 +161,12 @@ class Coordinator:
         self, frag: Fragment, values: torch.Tensor, version: int = 0
     ) -> FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
+        if self._rows is None:
+            self._rows = RowPool(max(f.numel for f in self.plan.fragments))
         return FragmentState(
-            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version
-        )
+            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version,
+            pool=self._rows,
+        )  # fmt: skip
 
     def _load(self) -> None:
         state = self.store.read_json("coordinator.json")
@@ -552,7 +557,7 @@ class Coordinator:
                     final=bool(h.final),
                 )
                 fs.assembling[h.island] = cur
-            row = fs.rows[cur.row]
+            row = cur.row
             for seg, (start, end) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
                 part = row[seg.offset + start : seg.offset + end]
                 if seg.name in zeros:  # frozen on the island: left out of the body
@@ -936,52 +941,36 @@ class Coordinator:
 
     def _merge(self, fs, contribs, version, state: RoundState, decision: Decision, now) -> None:
         t0 = time.perf_counter()
-        hi = max(c.row for c in contribs) + 1
-        weights = torch.zeros(hi, dtype=torch.float64)
-        sq = torch.zeros(hi, len(fs.segments), dtype=torch.float64)
-        reasons = {}
-        for c in contribs:
-            w, why = self._weight(c, version)
-            weights[c.row] = w
-            sq[c.row] = c.sq_norms
-            reasons[c.island] = why
+        weighed = [self._weight(c, version) for c in contribs]
+        weights = torch.tensor([w for w, _ in weighed], dtype=torch.float64)
+        sq = torch.stack([c.sq_norms for c in contribs])
+        reasons = {c.island: why for c, (_, why) in zip(contribs, weighed)}
         with self._lock:  # weighed out now (a policy on time or staleness): never merged
-            for c in contribs:
-                if weights[c.row] == 0:
+            for c, (w, _) in zip(contribs, weighed):
+                if w == 0:
                     self._count_dropped(fs, c)
         if weights.sum() <= 0:
             log.info("fragment %d: round closed with only stale contributions", fs.fragment.index)
             return
-        grad = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq, out=fs.grad)
+        counted = [c for c, (w, _) in zip(contribs, weighed) if w > 0]
         # L2 norms (monitoring: an island whose training diverges shows here first). One
         # counted contribution: the merge is its row, whose norm the upload checks computed.
         norms = {c.island: c.norm() for c in contribs}
-        counted = [c for c in contribs if weights[c.row] > 0]
-        merged_norm = norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
-        merged_by = merged_by_after(fs.merged_by, counted)
-        values = fs.copy_values()  # the served values stay as they are for the downloads
-        before, lent = self._copy_outer_state(fs)  # the step writes the momentum in place
-        fs.lock.acquire_write()
+        # Segments whose merged pseudo-gradient was 0 (frozen everywhere) may not move:
+        # downloads leave those out for islands that keep them.
+        quiet = (sq[weights > 0].sum(0) == 0).tolist()
+        # The merged pseudo-gradient's buffer, for this merge only (one contribution: its row).
+        out = fs.take_row() if len(counted) > 1 else None
         try:
-            try:
-                fs.optimizer.step(values, grad)
-                # Segments whose merged pseudo-gradient was 0 (frozen everywhere) may
-                # not have moved: downloads leave those out for islands that keep them.
-                quiet = (sq[weights > 0].sum(0) == 0).tolist()
-                changed_at = fs.changed_at(values, version + 1, quiet)
-                if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
-                    self._make_durable(fs, values, version + 1, merged_by)
-                else:
-                    self._reserve(fs.fragment.index, version + 1)
-            except BaseException:  # all or nothing: the outer state as before, nothing served
-                fs.optimizer.load_state_dict(before)  # (copies: the lent buffers go back)
-                fs._recycle(values)
-                raise
-            fs.publish(version + 1, values, changed_at)
-            fs.merged_by = merged_by
+            grad = merge_fragment([c.row for c in contribs], weights, fs.segments, fs.rda,
+                                  sq_norms=sq, out=out)  # fmt: skip
+            merged_norm = (
+                norms[counted[0].island] if len(counted) == 1 else math.sqrt(sq_norm(grad))
+            )
+            self._step_and_publish(fs, version, grad, quiet, merged_by_after(fs.merged_by, counted))
         finally:
-            fs.lock.release_write()
-            self._scratch.extend(lent)
+            if out is not None:
+                fs.give_row(out)
         fs.opened_at[version + 1] = now if state.first_arrival is None else state.first_arrival
         fs.opened_at.pop(version + 1 - OPENED_AT_KEPT, None)
         sync = time.perf_counter() - t0
@@ -1007,7 +996,7 @@ class Coordinator:
             fs.last_merge = {
                 "version": version + 1,
                 "islands": sorted(c.island for c in contribs),
-                "weights": {c.island: float(weights[c.row]) for c in contribs},
+                "weights": {c.island: w for c, (w, _) in zip(contribs, weighed)},
                 "staleness": reasons,
                 "reason": reason,
                 "seconds": sync,
@@ -1029,6 +1018,30 @@ class Coordinator:
             reason,
             sync,
         )
+
+    def _step_and_publish(self, fs, version: int, grad, quiet: list[bool], merged_by) -> None:
+        """The outer step on a copy of the served values, made durable (or its version
+        reserved) and published as ``version + 1``: all or nothing."""
+        values = fs.copy_values()  # the served values stay as they are for the downloads
+        before, lent = self._copy_outer_state(fs)  # the step writes the momentum in place
+        fs.lock.acquire_write()
+        try:
+            try:
+                fs.optimizer.step(values, grad)
+                changed_at = fs.changed_at(values, version + 1, quiet)
+                if self.cfg.durable_merges:  # acknowledged = served = on disk (see _make_durable)
+                    self._make_durable(fs, values, version + 1, merged_by)
+                else:
+                    self._reserve(fs.fragment.index, version + 1)
+            except BaseException:  # all or nothing: the outer state as before, nothing served
+                fs.optimizer.load_state_dict(before)  # (copies: the lent buffers go back)
+                fs._recycle(values)
+                raise
+            fs.publish(version + 1, values, changed_at)
+            fs.merged_by = merged_by
+        finally:
+            fs.lock.release_write()
+            self._scratch.extend(lent)
 
     def _copy_outer_state(self, fs: FragmentState) -> tuple[dict, list[torch.Tensor]]:
         """A copy of ``fs``'s outer optimizer state, for a failed merge to put back, in
@@ -1160,6 +1173,7 @@ class Coordinator:
                 "xi_quorum_s": self._xi_quorum.value,
                 "xi_sync_s": self._xi_sync.value,
                 "traffic": dict(self.traffic),
+                "rows": self._rows.usage(),
                 "run": self._run_metrics(),
             }
 

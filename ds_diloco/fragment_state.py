@@ -3,8 +3,9 @@ of the contributions in its open round.
 
 Served values are never written in place: a merge steps a copy (``copy_values``, in a
 recycled buffer) and publishes it, so downloads read a version's values without a lock
-and without a copy. A contribution's slices are copied into a row of ``rows`` as its
-ranks' uploads come in; rows are reused once its round is merged or it is dropped.
+and without a copy. A contribution's slices are copied into a row (a buffer of the
+coordinator's ``RowPool``) as its ranks' uploads come in; the row goes back to the pool
+once its round is merged or it is dropped.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Contribution:
     step: int
     tokens: int
     steps: int
-    row: int
+    row: torch.Tensor
+    """(fragment numel,) fp32: its ranks' slices, copied in as they come (``RowPool``)."""
     sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
     incarnation: int = 1
     final: bool = False
@@ -102,6 +104,56 @@ class Served:
     island of the same world size gets the same slices, so each is encoded once."""
 
 
+class RowPool:
+    """Buffers for contributions' rows, shared by all fragments.
+
+    A row is held from a contribution's first upload until its round is merged or it is
+    dropped, so the pool holds as many as there are contributions open at once: about M
+    per fragment with an open round, and rounds open one or two fragments at a time. Rows
+    kept per fragment instead held M (rounded up to a power of two) for every fragment,
+    that is M copies of the model for good (for a 7B model and M = 8: 224 GB).
+    Buffers are never freed, only reused: a reused one has its pages already in.
+    """
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        """Every buffer's size: the largest fragment's."""
+        self._free: list[torch.Tensor] = []
+        self._buffers: dict[int, torch.Tensor] = {}  # by data pointer: all of them
+        self._lock = threading.Lock()
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A row of ``numel`` elements (its contents are whatever was there)."""
+        if not 0 < numel <= self.numel:
+            raise ValueError(f"a row of {numel} elements from a pool of {self.numel}-element rows")
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:  # more contributions open at once than ever before
+            buf = torch.empty(self.numel)
+            with self._lock:
+                self._buffers[buf.data_ptr()] = buf
+        return buf[:numel]
+
+    def give(self, row: torch.Tensor) -> None:
+        """Back to the pool: ``row`` (a view ``take`` returned) must not be used after."""
+        with self._lock:
+            buf = self._buffers[row.data_ptr()]
+            if any(b is buf for b in self._free):
+                raise RuntimeError("a row was given back twice")
+            self._free.append(buf)
+
+    def usage(self) -> dict[str, int]:
+        """Buffers made (the most contributions open at once so far), those in use now,
+        and the bytes they hold (the coordinator's memory for rows)."""
+        with self._lock:
+            made = len(self._buffers)
+            return {
+                "buffers": made,
+                "in_use": made - len(self._free),
+                "bytes": made * self.numel * 4,
+            }
+
+
 class FragmentState:
     def __init__(
         self,
@@ -111,6 +163,7 @@ class FragmentState:
         plain_patterns,
         norm_window,
         version: int = 0,
+        pool: RowPool | None = None,
     ):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
@@ -118,8 +171,7 @@ class FragmentState:
         self.spare: list[torch.Tensor] = []
         self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = RWLock()
-        self.rows = torch.zeros(0, fragment.numel)
-        self.free_rows: list[int] = []
+        self.pool = pool or RowPool(fragment.numel)
         self.assembling: dict[str, Contribution] = {}
         self.complete: dict[str, Contribution] = {}
         self.merging = False
@@ -136,7 +188,6 @@ class FragmentState:
         # merged since the table's last save is still a replay, and its counts are kept.
         self.merged_by: dict[str, dict] = {}
         self.last_merge: dict = {}
-        self.grad = torch.empty(fragment.numel)
         # When the rounds that made recent versions got their first contribution (clock
         # time): a stale upload is told how long after that it came, i.e. how much earlier
         # its island has to send to be in the same round (islands shift their send phase).
@@ -187,15 +238,9 @@ class FragmentState:
             return self.values.clone()
         return buf.copy_(self.values)
 
-    def take_row(self) -> int:
-        if not self.free_rows:  # grow: contributions of a new island (rare)
-            old = self.rows
-            cap = max(2, 2 * old.shape[0])
-            self.rows = torch.zeros(cap, old.shape[1])
-            self.rows[: old.shape[0]] = old
-            self.free_rows = list(range(cap - 1, old.shape[0] - 1, -1))
-        return self.free_rows.pop()
+    def take_row(self) -> torch.Tensor:
+        """A (fragment numel,) row for a contribution, from the pool."""
+        return self.pool.take(self.fragment.numel)
 
-    def give_row(self, row: int) -> None:
-        self.free_rows.append(row)
-        self.free_rows.sort(reverse=True)  # lowest rows first keeps merges reading few rows
+    def give_row(self, row: torch.Tensor) -> None:
+        self.pool.give(row)

@@ -15,7 +15,9 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
+from ds_diloco.fragment_state import RowPool
 from ds_diloco.merge import NormGuard, StalenessPolicy
+from ds_diloco.metrics import prometheus_text
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 
@@ -1099,3 +1101,54 @@ def test_slices_left_out_as_zeros_merge_as_zeros_and_bad_lists_change_nothing(
     after = coord.global_tensors()
     assert torch.equal(after[frozen], before[frozen])
     assert all(not torch.equal(after[n], before[n]) for n in trained)
+
+
+def test_contributions_rows_are_shared_by_the_fragments(tiny_config_path, tmp_path):
+    # 4 islands of 2 ranks sync 8 fragments in turn, all 4 in every round (K = 4). A row
+    # is held from a contribution's first upload until its merge: 4 at once, and one for
+    # the merge's output, whatever the number of fragments (rows and a merge output kept
+    # per fragment held 5 for each: 5 model copies).
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=4, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, num_fragments=8,
+                 sync_every=8, durable_merges=False)  # fmt: skip
+    islands = ("a", "b", "c", "d")
+    for island in islands:
+        coord.register(island, 2, coord.plan.signature)
+    for step in range(1, 17):
+        fragment = (step - 1) % 8
+        for island in islands:
+            send(coord, island, fragment, step, world_size=2)
+        assert coord.status()["rows"]["in_use"] == 4
+        assert coord.poll(fragment).merge
+    assert coord.versions() == [2] * 8
+    rows = coord.status()["rows"]
+    largest = max(f.numel for f in coord.plan.fragments)
+    assert rows == {"buffers": 5, "in_use": 0, "bytes": 5 * largest * 4}
+    # One island's half-sent contribution holds one row; dropped, it gives it back.
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    header = wire.UploadHeader(island="a", rank=0, world_size=2, fragment=0, base_version=2,
+                               step=17, tokens=100, steps=1)  # fmt: skip
+    coord.upload(wire.encode_upload(header, rank_slices(frag, full, 2, 0)))
+    assert coord.status()["rows"]["in_use"] == 1
+    coord.register("a", 2, coord.plan.signature)  # registers again: its pending ones go
+    assert coord.status()["rows"] == {"buffers": 5, "in_use": 0, "bytes": 5 * largest * 4}
+    assert f"ds_diloco_contribution_row_bytes {5 * largest * 4}\n" in prometheus_text(
+        coord.status()
+    )
+
+
+def test_row_pool_reuses_its_buffers_and_refuses_misuse():
+    pool = RowPool(10)
+    a = pool.take(6)
+    assert a.shape == (6,) and pool.usage() == {"buffers": 1, "in_use": 1, "bytes": 40}
+    b = pool.take(10)
+    pool.give(a)
+    assert pool.take(4).data_ptr() == a.data_ptr()  # the same pages, not new ones
+    assert pool.usage() == {"buffers": 2, "in_use": 2, "bytes": 80}
+    pool.give(b)
+    with pytest.raises(RuntimeError, match="given back twice"):
+        pool.give(b)
+    with pytest.raises(ValueError, match="a row of 11 elements from a pool of 10"):
+        pool.take(11)

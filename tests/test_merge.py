@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from ds_diloco import merge
 from ds_diloco.merge import (
     DEFAULT_PLAIN_PATTERNS,
     Segment,
@@ -117,16 +118,23 @@ def _fragment(gen: torch.Generator, k: int):
     return deltas, segments, dicts
 
 
-@pytest.mark.parametrize("precomputed", [True, False])
-def test_merge_fragment_matches_reference(precomputed):
+@pytest.mark.parametrize(
+    "precomputed, layout, chunk",
+    [(True, "matrix", None), (False, "matrix", None), (True, "rows", None), (True, "rows", 5)],
+)
+def test_merge_fragment_matches_reference(precomputed, layout, chunk, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     k = 4
     deltas, segments, dicts = _fragment(gen, k)
+    if layout == "rows":  # separate buffers, as the coordinator's RowPool holds them
+        deltas = [row.clone() for row in deltas]
+    if chunk is not None:  # chunks that end inside segments and across their ends
+        monkeypatch.setattr(merge, "_MIX_CHUNK", chunk)
     weights = [1.0, 3.0, 0.5, 2.0]
     plain = [is_plain_tensor(s.name, DEFAULT_PLAIN_PATTERNS) for s in segments]
     assert any(plain) and not all(plain)
     sq = torch.stack([segment_sq_norms(row, segments) for row in deltas]) if precomputed else None
-    out = torch.full((deltas.shape[1],), float("nan"))
+    out = torch.full((deltas[0].numel(),), float("nan"))
     got = merge_fragment(deltas, weights, segments, [not p for p in plain], sq_norms=sq, out=out)
     assert got.data_ptr() == out.data_ptr()
     want = merge_reference(dicts, weights, lambda n: is_plain_tensor(n, DEFAULT_PLAIN_PATTERNS))
@@ -138,6 +146,26 @@ def test_merge_fragment_matches_reference(precomputed):
             atol=1e-5,
             msg=lambda m, s=s: f"{s.name}: {m}",
         )
+
+
+def test_merge_fragment_never_reads_a_row_of_weight_zero():
+    # A contribution weighed out at the merge (stale: weight 0) is not read at all: no
+    # bandwidth for it, and whatever its buffer holds (here NaN) cannot reach the merge.
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(12, generator=gen) for _ in range(3)]
+    segs = [Segment("embed", 0, 5), Segment("w", 5, 7)]
+    want = merge_fragment([rows[0], rows[2]], [1.0, 2.0], segs, [False, True])
+    sq = torch.stack([segment_sq_norms(row, segs) for row in rows])  # taken at upload
+    rows[1].fill_(float("nan"))
+    got = merge_fragment(rows, [1.0, 0.0, 2.0], segs, [False, True], sq_norms=sq)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
+
+
+def test_merge_fragment_refuses_rows_of_different_sizes():
+    segs = [Segment("a", 0, 4)]
+    with pytest.raises(ValueError, match=r"row 1 is \(5,\)"):
+        merge_fragment([torch.zeros(4), torch.zeros(5)], [1.0, 1.0], segs, [True])
 
 
 def test_merge_reference_rda_by_hand():

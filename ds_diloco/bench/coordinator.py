@@ -1,8 +1,8 @@
 """``ds-diloco bench coordinator``: the coordinator's two hot paths against plain baselines.
 
 (a) Outer step: the work ``Coordinator._merge`` does for one round, with the same
-functions and the same memory layout: ``merge.merge_fragment`` over the first K
-rows of one (capacity, F) fp32 buffer, squared norms precomputed per segment
+functions and the same memory layout: ``merge.merge_fragment`` over K separate
+(F,) fp32 rows (the coordinator's ``RowPool`` buffers), squared norms precomputed per segment
 (the coordinator computes them at ingest), into a preallocated gradient, then
 ``NesterovSGD.step``. Counted bytes: (K + 2) x F x 4 (K contributions, the
 global values, the momentum buffer). Baseline: ``dst.copy_(src)`` of as many
@@ -234,26 +234,18 @@ class OuterStepRun:
 
     k: int
     comparison: Comparison
-    deltas: torch.Tensor
-    """(K, F) view of the contribution rows that were merged."""
+    deltas: list[torch.Tensor]
+    """The K (F,) contribution rows that were merged."""
     weights: torch.Tensor
     """(K,) float64 token weights."""
     grad: torch.Tensor
     """The merged pseudo-gradient of the last repetition."""
 
 
-def _row_capacity(k: int) -> int:
-    """Rows of the coordinator's contribution buffer for K: it starts at 2 and doubles."""
-    capacity = 2
-    while capacity < k:
-        capacity *= 2
-    return capacity
-
-
 def outer_step_bytes(fragment_bytes: int, k: int) -> int:
-    """What :func:`bench_outer_step` holds for K contributions: the row buffer, the values,
+    """What :func:`bench_outer_step` holds for K contributions: K rows, the values,
     gradient and momentum, and the copy baseline's source and destination (K + 2 each)."""
-    return fragment_bytes * (_row_capacity(k) + 3 + 2 * (k + 2))
+    return fragment_bytes * (k + 3 + 2 * (k + 2))
 
 
 def check_memory(fragment_mb: float, k: int) -> None:
@@ -279,11 +271,9 @@ def bench_outer_step(
         raise ValueError(f"--contributions must be >= 1, got {k}")
     f = sum(s.numel for s in segments)
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.zeros(_row_capacity(k), f)
-    deltas = rows[:k]
-    deltas.normal_(generator=gen)
-    # Pseudo-gradients of ~1e-3, of a different size per island, as islands differ.
-    deltas.mul_(1e-3 * (1 + torch.arange(k, dtype=torch.float32)).unsqueeze(1))
+    # One buffer per contribution, as the coordinator's RowPool holds them. Pseudo-gradients
+    # of ~1e-3, of a different size per island, as islands differ.
+    deltas = [torch.empty(f).normal_(generator=gen).mul_(1e-3 * (1 + i)) for i in range(k)]
     sq = torch.stack([segment_sq_norms(row, segments) for row in deltas])  # done at ingest
     tokens = [4096 * (1 + i % 3) for i in range(k)]
     steps = [24 + 8 * (i % 2) for i in range(k)]

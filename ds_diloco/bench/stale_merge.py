@@ -97,12 +97,9 @@ class StaleMergeCoordinator(Coordinator):
             return super()._merge(fs, contribs, version, state, decision, now)
         stale = [c for c in contribs if c.base_version != version and self._weight(c, version)[0]]
         if stale:
-            hi = max(c.row for c in stale) + 1
-            weights = torch.zeros(hi, dtype=torch.float64)
-            sq = torch.zeros(hi, len(fs.segments), dtype=torch.float64)
-            for c in stale:
-                weights[c.row], sq[c.row] = self._weight(c, version)[0], c.sq_norms
-            g = merge_fragment(fs.rows[:hi], weights, fs.segments, fs.rda, sq_norms=sq)
+            weights = [self._weight(c, version)[0] for c in stale]
+            sq = torch.stack([c.sq_norms for c in stale])
+            g = merge_fragment([c.row for c in stale], weights, fs.segments, fs.rda, sq_norms=sq)
             fs.optimizer.stale = g.clone()
         super()._merge(fs, fresh, version, state, decision, now)
         fs.optimizer.stale = None
