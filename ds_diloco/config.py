@@ -143,8 +143,11 @@ class CoordinatorConfig:
     ``residual: bfloat16`` keeps them in half of that."""
     save_every_merges: int = 10
     """Write changed fragments to ``state_dir`` after this many merges (and on SIGTERM)."""
-    max_body_mb: float = 1024.0
-    """Largest accepted request body, in MiB."""
+    max_body_mb: float | None = None
+    """Largest accepted request body, in MiB. None: the largest upload a valid island can
+    send (an island of one rank: the largest fragment in fp32, plus its header), e.g.
+    64 MiB for the 125M Llama with P = 8 and 1.1 GiB for a 7B one with P = 24. A value
+    below that is a warning at start: such uploads are refused (413) whenever they come."""
     island_timeout_s: float = 20.0
     """Lease: an island not heard from for this long no longer counts as live for the
     quorum (islands send a heartbeat every few seconds, see ``syncer.HEARTBEAT_S``)."""
@@ -194,6 +197,8 @@ class CoordinatorConfig:
         if self.save_every_merges < 1:
             raise ValueError(f"save_every_merges must be >= 1, got {self.save_every_merges}")
         for name in ("max_body_mb", "island_timeout_s", "uptime_window_s"):
+            if name == "max_body_mb" and self.max_body_mb is None:
+                continue
             if not _finite(getattr(self, name), 0, strict=True):
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         _check_port("port", self.port)

@@ -57,6 +57,8 @@ from ds_diloco.state_store import StateStore
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
+UPLOAD_HEADER_ROOM = 1 << 20
+"""Bytes an upload's header may take beside 1 KiB per tensor (``largest_upload_bytes``)."""
 VERSION_RESERVE = 16  # version numbers made durable per fsync of versions.json
 OPENED_AT_KEPT = 8  # round start times kept per fragment (a stale upload's lateness)
 MERGE_RETRY_S = 1.0  # wait after a failed merge, doubled per failure in a row...
@@ -1042,6 +1044,14 @@ class Coordinator:
         finally:
             fs.lock.release_write()
             self._scratch.extend(lent)
+
+    def largest_upload_bytes(self) -> int:
+        """The largest upload body a valid island sends: the largest fragment whole in fp32
+        (an island of one rank; compressed uploads are smaller), with room for a header
+        (about 100 bytes a tensor; compression adds a few entries per tensor)."""
+        return max(
+            4 * f.numel + UPLOAD_HEADER_ROOM + 1024 * len(f.params) for f in self.plan.fragments
+        )
 
     def _copy_outer_state(self, fs: FragmentState) -> tuple[dict, list[torch.Tensor]]:
         """A copy of ``fs``'s outer optimizer state, for a failed merge to put back, in

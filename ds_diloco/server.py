@@ -398,7 +398,26 @@ class CoordinatorServer:
 
 def build_server(cfg: CoordinatorConfig) -> CoordinatorServer:
     coord = Coordinator(cfg)
-    return CoordinatorServer(coord, cfg.resolve_token(), int(cfg.max_body_mb * 1024 * 1024))
+    return CoordinatorServer(coord, cfg.resolve_token(), body_limit(cfg, coord))
+
+
+def body_limit(cfg: CoordinatorConfig, coord: Coordinator) -> int:
+    """The largest request body taken, in bytes: ``max_body_mb``, else (None) the largest
+    upload a valid island sends. A limit below that is named in a warning: it is a
+    setting that refuses the uploads of islands with few ranks, every time."""
+    need = coord.largest_upload_bytes()
+    if cfg.max_body_mb is None:
+        return need
+    limit = int(cfg.max_body_mb * 1024 * 1024)
+    if limit < need:
+        log.warning(
+            "max_body_mb %g is below the largest upload a valid island sends (%.1f MiB: the "
+            "largest fragment in fp32 from an island of one rank): an island of W ranks "
+            "sends about 1/W of it, and its uploads above %g MiB will be refused (413). "
+            "Leave max_body_mb unset to take what the model needs.",
+            cfg.max_body_mb, need / 2**20, cfg.max_body_mb,
+        )  # fmt: skip
+    return limit
 
 
 def _tls_context(cfg: CoordinatorConfig) -> ssl.SSLContext | None:

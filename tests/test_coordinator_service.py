@@ -746,3 +746,32 @@ def test_an_upload_body_that_stalls_is_refused_and_its_buffer_freed(
         assert CoordinatorClient(srv.url, TOKEN, retries=0).health()  # serving on
     finally:
         srv.stop()
+
+
+def test_the_body_limit_by_default_is_the_largest_upload_a_valid_island_sends(
+    tiny_config_path, tmp_path, caplog
+):
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "s", islands=1))
+    try:
+        need = srv.coord.largest_upload_bytes()
+        largest = max(srv.coord.plan.fragments, key=lambda f: f.numel)
+        assert srv.server.max_body_bytes == need > 4 * largest.numel
+        client = client_for(srv)
+        client.register("a", 1, srv.coord.plan.signature)
+        # An island of one rank sends the largest fragment whole: taken.
+        full = {p.name: torch.full(p.shape, 1e-3) for p in largest.params}
+        header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=largest.index,
+                                   base_version=0, step=4, tokens=64, steps=4)  # fmt: skip
+        body = wire.encode_upload(header, rank_slices(largest, full, 1, 0))
+        assert 4 * largest.numel < len(body) <= need
+        assert client.upload_body(body)["status"] == "accepted"
+        with pytest.raises(RefusedError, match="too large") as e:
+            client.upload_body(b"\x00" * (need + 1))
+        assert e.value.status == 413
+    finally:
+        srv.stop(save=False)
+    # A limit set below it is taken, with a warning that names it.
+    cfg = make_cfg(tiny_config_path, tmp_path / "s", islands=1, max_body_mb=1.0)
+    with caplog.at_level("WARNING", logger="ds_diloco.server"):
+        assert server_mod.body_limit(cfg, srv.coord) == 2**20
+    assert "max_body_mb 1 is below the largest upload a valid island sends" in caplog.text

@@ -147,13 +147,13 @@ class StaleMergeCoordinator(Coordinator):
 def serve(config: str, max_staleness: int, stale_sgd: bool = False) -> None:
     """``ds-diloco coordinator`` with :class:`StaleMergeCoordinator` (until SIGTERM/SIGINT)."""
     from ds_diloco.config import load_coordinator_config
-    from ds_diloco.server import CoordinatorServer
+    from ds_diloco.server import CoordinatorServer, body_limit
 
     cfg = load_coordinator_config(config)
 
     async def main():
         coord = StaleMergeCoordinator(cfg, max_staleness, stale_sgd)
-        server = CoordinatorServer(coord, cfg.resolve_token(), int(cfg.max_body_mb * 1024 * 1024))
+        server = CoordinatorServer(coord, cfg.resolve_token(), body_limit(cfg, coord))
         await server.start(cfg.host, cfg.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
