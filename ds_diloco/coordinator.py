@@ -151,8 +151,11 @@ class Coordinator:
         named = initial_params(self.cfg.model, save_config_to=str(self.store.model_dir))
         self._build_fragments(param_specs(named))
         tensors = dict(named)
+        del named
         for frag in self.plan.fragments:
-            values = torch.cat([tensors[p.name].reshape(-1) for p in frag.params])
+            # Each tensor is let go once copied in: the model and its fragments are never
+            # both whole in memory (the peak was twice the model's size).
+            values = torch.cat([tensors.pop(p.name).reshape(-1) for p in frag.params])
             self._frags.append(self._new_fragment_state(frag, values))
         log.info("initialised %d fragments from %s", len(self._frags), self.cfg.model)
         self.run_id = secrets.token_hex(8)
