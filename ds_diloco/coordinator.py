@@ -34,7 +34,7 @@ import torch
 
 from ds_diloco import compress, wire
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
-from ds_diloco.fragment_state import Contribution, FragmentState, RowPool
+from ds_diloco.fragment_state import BufferPool, Contribution, FragmentState
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.island_table import (
     IslandRecord,
@@ -119,11 +119,10 @@ class Coordinator:
         self._merges_since_save = 0
         self._versions_lock = threading.Lock()
         self._table_lock = threading.Lock()
-        # Buffers of the largest fragment's size that merges borrow to copy the outer
-        # state they may have to put back: as many as merges run at once, not one per fragment.
-        self._scratch: list[torch.Tensor] = []
-        # The contributions' rows, shared by all fragments (see RowPool): made with the plan.
-        self._rows: RowPool | None = None
+        # Fragment-sized buffers shared by all fragments: contributions' rows, merge outputs,
+        # the values merges step and the outer state they may put back (see BufferPool).
+        # Made with the plan.
+        self._buffers: BufferPool | None = None
         self.metrics = RunMetrics(cfg.uptime_window_s)
         # This run's id, made with its state dir and kept in it (a backup put back keeps it):
         # islands send it with their uploads (see _adopt_unknown).
@@ -166,11 +165,11 @@ class Coordinator:
         self, frag: Fragment, values: torch.Tensor, version: int = 0
     ) -> FragmentState:
         opt = build_outer_optimizer(self.cfg.outer)
-        if self._rows is None:
-            self._rows = RowPool(max(f.numel for f in self.plan.fragments))
+        if self._buffers is None:
+            self._buffers = BufferPool(max(f.numel for f in self.plan.fragments))
         return FragmentState(
             frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version,
-            pool=self._rows,
+            pool=self._buffers,
         )  # fmt: skip
 
     def _load(self) -> None:
@@ -1046,7 +1045,8 @@ class Coordinator:
             fs.merged_by = merged_by
         finally:
             fs.lock.release_write()
-            self._scratch.extend(lent)
+            for buf in lent:
+                self._buffers.give(buf)
 
     def largest_upload_bytes(self) -> int:
         """The largest upload body a valid island sends: the largest fragment whole in fp32
@@ -1058,18 +1058,15 @@ class Coordinator:
 
     def _copy_outer_state(self, fs: FragmentState) -> tuple[dict, list[torch.Tensor]]:
         """A copy of ``fs``'s outer optimizer state, for a failed merge to put back, in
-        borrowed scratch buffers (no new pages per merge); and the buffers, to give back."""
+        buffers of the pool (no new pages per merge); and the buffers, to give back."""
         state, lent = {}, []
         for k, v in fs.optimizer.state_dict(False).items():
             if v.dim() == 0:  # counters
                 state[k] = v.clone()
                 continue
-            try:
-                buf = self._scratch.pop()
-            except IndexError:
-                buf = torch.empty(max(f.fragment.numel for f in self._frags), dtype=torch.float32)
+            buf = self._buffers.take(v.numel())  # 1-D fp32, as every outer state vector
             lent.append(buf)
-            state[k] = buf[: v.numel()].copy_(v)  # 1-D fp32, as every outer state vector
+            state[k] = buf.copy_(v)
         return state, lent
 
     def _make_durable(
@@ -1186,7 +1183,7 @@ class Coordinator:
                 "xi_quorum_s": self._xi_quorum.value,
                 "xi_sync_s": self._xi_sync.value,
                 "traffic": dict(self.traffic),
-                "rows": self._rows.usage(),
+                "buffers": self._buffers.usage(),
                 "run": self._run_metrics(),
             }
 

@@ -2,9 +2,9 @@
 of the contributions in its open round.
 
 Served values are never written in place: a merge steps a copy (``copy_values``, in a
-recycled buffer) and publishes it, so downloads read a version's values without a lock
-and without a copy. A contribution's slices are copied into a row (a buffer of the
-coordinator's ``RowPool``) as its ranks' uploads come in; the row goes back to the pool
+buffer of the coordinator's ``BufferPool``) and publishes it, so downloads read a version's values without a lock
+and without a copy. A contribution's slices are copied into a row (another buffer of
+the pool) as its ranks' uploads come in; the row goes back to the pool
 once its round is merged or it is dropped.
 """
 
@@ -67,7 +67,7 @@ class Contribution:
     tokens: int
     steps: int
     row: torch.Tensor
-    """(fragment numel,) fp32: its ranks' slices, copied in as they come (``RowPool``)."""
+    """(fragment numel,) fp32: its ranks' slices, copied in as they come (``BufferPool``)."""
     sq_norms: torch.Tensor  # (segments,) float64, summed over the ranks' slices
     incarnation: int = 1
     final: bool = False
@@ -104,14 +104,17 @@ class Served:
     island of the same world size gets the same slices, so each is encoded once."""
 
 
-class RowPool:
-    """Buffers for contributions' rows, shared by all fragments.
+class BufferPool:
+    """Fragment-sized fp32 buffers (the largest fragment's size), shared by all fragments:
+    contributions' rows, merge outputs, the values a merge steps (served once published)
+    and the outer state a merge may have to put back.
 
     A row is held from a contribution's first upload until its round is merged or it is
-    dropped, so the pool holds as many as there are contributions open at once: about M
-    per fragment with an open round, and rounds open one or two fragments at a time. Rows
-    kept per fragment instead held M (rounded up to a power of two) for every fragment,
-    that is M copies of the model for good (for a 7B model and M = 8: 224 GB).
+    dropped, and rounds open one or two fragments at a time: M islands take about M rows
+    at once, not M per fragment. A served version's buffer comes back once no download
+    reads it, and the next merge of any fragment takes it. Kept per fragment instead,
+    rows (M, rounded up to a power of two), a merge output and a recycled copy of the
+    values were M + 2 copies of the model for good (for a 7B model and M = 8: 270 GB).
     Buffers are never freed, only reused: a reused one has its pages already in.
     """
 
@@ -123,35 +126,37 @@ class RowPool:
         self._lock = threading.Lock()
 
     def take(self, numel: int) -> torch.Tensor:
-        """A row of ``numel`` elements (its contents are whatever was there)."""
+        """A buffer's first ``numel`` elements (whatever they hold)."""
         if not 0 < numel <= self.numel:
-            raise ValueError(f"a row of {numel} elements from a pool of {self.numel}-element rows")
+            raise ValueError(f"{numel} elements from a pool of {self.numel}-element buffers")
         with self._lock:
             buf = self._free.pop() if self._free else None
-        if buf is None:  # more contributions open at once than ever before
+        if buf is None:  # more in use at once than ever before
             buf = torch.empty(self.numel)
             with self._lock:
                 self._buffers[buf.data_ptr()] = buf
         return buf[:numel]
 
-    def give(self, row: torch.Tensor) -> None:
-        """Back to the pool: ``row`` (a view ``take`` returned) must not be used after."""
+    def owns(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` is one ``take`` returned (values read from disk are not)."""
         with self._lock:
-            buf = self._buffers[row.data_ptr()]
+            buf = self._buffers.get(view.data_ptr())
+        return buf is not None and view.untyped_storage().data_ptr() == buf.data_ptr()
+
+    def give(self, view: torch.Tensor) -> None:
+        """Back to the pool: ``view`` (one ``take`` returned) must not be used after."""
+        with self._lock:
+            buf = self._buffers[view.data_ptr()]
             if any(b is buf for b in self._free):
-                raise RuntimeError("a row was given back twice")
+                raise RuntimeError("a buffer was given back twice")
             self._free.append(buf)
 
     def usage(self) -> dict[str, int]:
-        """Buffers made (the most contributions open at once so far), those in use now,
-        and the bytes they hold (the coordinator's memory for rows)."""
+        """Buffers made (the most in use at once so far), those in use now, and the bytes
+        they hold."""
         with self._lock:
             made = len(self._buffers)
-            return {
-                "buffers": made,
-                "in_use": made - len(self._free),
-                "bytes": made * self.numel * 4,
-            }
+            return {"made": made, "in_use": made - len(self._free), "bytes": made * self.numel * 4}
 
 
 class FragmentState:
@@ -163,15 +168,14 @@ class FragmentState:
         plain_patterns,
         norm_window,
         version: int = 0,
-        pool: RowPool | None = None,
+        pool: BufferPool | None = None,
     ):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.optimizer = optimizer
-        self.spare: list[torch.Tensor] = []
+        self.pool = pool or BufferPool(fragment.numel)
         self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = RWLock()
-        self.pool = pool or RowPool(fragment.numel)
         self.assembling: dict[str, Contribution] = {}
         self.complete: dict[str, Contribution] = {}
         self.merging = False
@@ -214,8 +218,8 @@ class FragmentState:
     def _recycle(self, values: torch.Tensor) -> None:
         if values is self.served.values:  # published again (it must never be written)
             return
-        if not self.spare:  # one is all a merge at a time needs: hold no more memory
-            self.spare.append(values)
+        if self.pool.owns(values):  # (values read from disk or made at start just go)
+            self.pool.give(values)
 
     def changed_at(self, values: torch.Tensor, version: int, quiet) -> tuple[int, ...]:
         """Per segment, since which version ``values`` (the next version's, ``version``)
@@ -231,12 +235,9 @@ class FragmentState:
         return tuple(out)
 
     def copy_values(self) -> torch.Tensor:
-        """A copy of the served values for a merge to step, in a recycled buffer if any."""
-        try:
-            buf = self.spare.pop()
-        except IndexError:
-            return self.values.clone()
-        return buf.copy_(self.values)
+        """A copy of the served values for a merge to step, in a buffer of the pool (given
+        back once a later version replaced it and no download reads it)."""
+        return self.pool.take(self.fragment.numel).copy_(self.values)
 
     def take_row(self) -> torch.Tensor:
         """A (fragment numel,) row for a contribution, from the pool."""

@@ -215,7 +215,7 @@ def merge_fragment(
     """Merge K contributions to one fragment into one pseudo-gradient (F,) fp32.
 
     ``deltas`` are the K contributions, each a (F,) fp32 row over the whole fragment
-    (separate buffers, as the coordinator's ``RowPool`` holds them, or the rows of a
+    (separate buffers, as the coordinator's ``BufferPool`` holds them, or the rows of a
     (K, F) tensor); ``segments`` tile a row, one per tensor, and ``rda[t]`` picks RDA
     (True) or plain weighted mean (False) for segment t. ``sq_norms`` (K, T) float64 are
     the squared norms of each row and segment, computed here when None. Each segment is

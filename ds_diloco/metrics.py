@@ -169,13 +169,12 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("download_unchanged_bytes_total", "counter",
            "Bytes of frozen slices downloads left out: unchanged since the island's version.",
            [({}, traffic.get("unchanged_bytes"))])  # fmt: skip
-    rows = status.get("rows", {})
-    metric("contribution_row_bytes", "gauge",
-           "Memory held for contributions' rows and merge outputs: one buffer of the "
-           "largest fragment's size each, as many as were in use at once so far.",
-           [({}, rows.get("bytes"))])  # fmt: skip
-    metric("contribution_rows_in_use", "gauge", "Rows held by contributions now.",
-           [({}, rows.get("in_use"))])  # fmt: skip
+    buffers = status.get("buffers", {})
+    metric("fragment_buffer_bytes", "gauge",
+           "Memory in fragment-sized buffers: served values, contributions' rows, merges' "
+           "work; as many as were in use at once so far.", [({}, buffers.get("bytes"))])  # fmt: skip
+    metric("fragment_buffers_in_use", "gauge", "Fragment-sized buffers in use now.",
+           [({}, buffers.get("in_use"))])  # fmt: skip
     metric("live_islands", "gauge", "Islands holding a live lease.",
            [({}, sum(1 for v in isl.values() if v["live"]))])  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
-from ds_diloco.fragment_state import RowPool
+from ds_diloco.fragment_state import BufferPool
 from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.metrics import prometheus_text
 from ds_diloco.round_policy import PolicyOptions
@@ -585,19 +585,28 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
         assert coord.poll(0).merge
         return fs.values.data_ptr()
 
-    v0 = fs.values.data_ptr()
-    v1 = merge()  # nothing to recycle yet: a new buffer
-    assert v1 != v0
-    assert merge() == v0  # version 0 is gone everywhere: its buffer is used again
+    v0 = fs.values
+    merge()
+    assert not coord._buffers.owns(v0)  # the values made at start are let go, not kept
+    merge()
     _, held = coord.download(0, 1, 0)  # a body of version 2, still being sent, say
     raw, v2 = bytes(held), fs.values.data_ptr()
     for _ in range(4):
         assert merge() != v2, "a buffer a body still aliases must never be written"
         assert bytes(held) == raw
-    del held  # sent: version 2's buffer is released (one spare is kept, no more)
-    assert len(fs.spare) == 1
-    a, b, c = merge(), merge(), merge()
-    assert a != b and c == a  # steady state: two buffers take turns, no new ones
+    del held  # sent: version 2's buffer goes back to the pool
+    made = coord.status()["buffers"]["made"]
+    for _ in range(4):
+        merge()
+    # Steady state: the served values, a row, the outer-state copy and the next values
+    # take turns in the same buffers (a fifth held version 2 while its body was out); only
+    # the served values stay in use.
+    assert coord.status()["buffers"] == {
+        "made": made,
+        "in_use": 1,
+        "bytes": made * 4 * coord._buffers.numel,
+    }
+    assert made == 5
 
 
 def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_config_path, tmp_path):
@@ -612,7 +621,7 @@ def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_con
     assert coord.poll(0).merge and coord.versions()[0] == 1
     again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)  # resumed (durable merges)
     assert again.versions()[0] == 1
-    assert not again._frags[0].spare, "no buffer may be free while its values are served"
+    assert again.status()["buffers"]["made"] == 0, "loaded values are not the pool's to reuse"
     version, held = again.download(0, 1, 0)  # a body of version 1, being sent, say
     assert version == 1
     raw, served = bytes(held), again.global_tensors()
@@ -1103,11 +1112,12 @@ def test_slices_left_out_as_zeros_merge_as_zeros_and_bad_lists_change_nothing(
     assert all(not torch.equal(after[n], before[n]) for n in trained)
 
 
-def test_contributions_rows_are_shared_by_the_fragments(tiny_config_path, tmp_path):
-    # 4 islands of 2 ranks sync 8 fragments in turn, all 4 in every round (K = 4). A row
-    # is held from a contribution's first upload until its merge: 4 at once, and one for
-    # the merge's output, whatever the number of fragments (rows and a merge output kept
-    # per fragment held 5 for each: 5 model copies).
+def test_fragment_sized_buffers_are_shared_by_the_fragments(tiny_config_path, tmp_path):
+    # 4 islands of 2 ranks sync 8 fragments in turn, all 4 in every round (K = 4). In use:
+    # each fragment's served values once it merged (those made at start are let go), a row
+    # per contribution from its first upload until its merge (4 at once), and a merge's
+    # output, new values and outer-state copy. Made: 8 + 4 + 3, where buffers kept per
+    # fragment were 8 x (4 rows, an output, a spare copy of the values) + the values.
     clock = Clock()
     policy = PolicyOptions(min_quorum=4, tau=1)
     coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, num_fragments=8,
@@ -1119,36 +1129,53 @@ def test_contributions_rows_are_shared_by_the_fragments(tiny_config_path, tmp_pa
         fragment = (step - 1) % 8
         for island in islands:
             send(coord, island, fragment, step, world_size=2)
-        assert coord.status()["rows"]["in_use"] == 4
+        assert coord.status()["buffers"]["in_use"] == min(step - 1, 8) + 4
         assert coord.poll(fragment).merge
+        assert coord.status()["buffers"]["in_use"] == min(step, 8)
     assert coord.versions() == [2] * 8
-    rows = coord.status()["rows"]
     largest = max(f.numel for f in coord.plan.fragments)
-    assert rows == {"buffers": 5, "in_use": 0, "bytes": 5 * largest * 4}
+    made = {"made": 15, "bytes": 15 * largest * 4}
+    assert coord.status()["buffers"] == {**made, "in_use": 8}
     # One island's half-sent contribution holds one row; dropped, it gives it back.
     frag = coord.plan.fragments[0]
     full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
     header = wire.UploadHeader(island="a", rank=0, world_size=2, fragment=0, base_version=2,
                                step=17, tokens=100, steps=1)  # fmt: skip
     coord.upload(wire.encode_upload(header, rank_slices(frag, full, 2, 0)))
-    assert coord.status()["rows"]["in_use"] == 1
-    coord.register("a", 2, coord.plan.signature)  # registers again: its pending ones go
-    assert coord.status()["rows"] == {"buffers": 5, "in_use": 0, "bytes": 5 * largest * 4}
-    assert f"ds_diloco_contribution_row_bytes {5 * largest * 4}\n" in prometheus_text(
-        coord.status()
-    )
+    assert coord.status()["buffers"]["in_use"] == 9
+    again = coord.register("a", 2, coord.plan.signature)  # registers again: its pending ones go
+    assert coord.status()["buffers"] == {**made, "in_use": 8}
+    text = prometheus_text(coord.status())
+    assert f"ds_diloco_fragment_buffer_bytes {15 * largest * 4}\n" in text
+    # A failed merge gives back what it took: the values it stepped, the outer-state copy.
+    for island in islands:
+        inc = again["incarnation"] if island == "a" else 1
+        send(coord, island, 1, 18, world_size=2, incarnation=inc)
+    opt = coord._frags[1].optimizer
+    real_step = opt.step
+
+    def step_then_fail(param, grad):
+        real_step(param, grad)
+        raise RuntimeError("injected outer step failure")
+
+    opt.step = step_then_fail
+    assert not coord.poll(1).merge
+    opt.step = real_step
+    assert coord.versions()[1] == 2
+    assert coord.status()["buffers"] == {**made, "in_use": 8 + 4}  # the rows wait for a retry
 
 
-def test_row_pool_reuses_its_buffers_and_refuses_misuse():
-    pool = RowPool(10)
+def test_buffer_pool_reuses_its_buffers_and_refuses_misuse():
+    pool = BufferPool(10)
     a = pool.take(6)
-    assert a.shape == (6,) and pool.usage() == {"buffers": 1, "in_use": 1, "bytes": 40}
+    assert a.shape == (6,) and pool.usage() == {"made": 1, "in_use": 1, "bytes": 40}
     b = pool.take(10)
     pool.give(a)
     assert pool.take(4).data_ptr() == a.data_ptr()  # the same pages, not new ones
-    assert pool.usage() == {"buffers": 2, "in_use": 2, "bytes": 80}
+    assert pool.usage() == {"made": 2, "in_use": 2, "bytes": 80}
+    assert pool.owns(b) and not pool.owns(torch.zeros(10)) and not pool.owns(b.clone())
     pool.give(b)
     with pytest.raises(RuntimeError, match="given back twice"):
         pool.give(b)
-    with pytest.raises(ValueError, match="a row of 11 elements from a pool of 10"):
+    with pytest.raises(ValueError, match="11 elements from a pool of 10-element buffers"):
         pool.take(11)

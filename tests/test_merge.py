@@ -126,7 +126,7 @@ def test_merge_fragment_matches_reference(precomputed, layout, chunk, monkeypatc
     gen = torch.Generator().manual_seed(0)
     k = 4
     deltas, segments, dicts = _fragment(gen, k)
-    if layout == "rows":  # separate buffers, as the coordinator's RowPool holds them
+    if layout == "rows":  # separate buffers, as the coordinator's BufferPool holds them
         deltas = [row.clone() for row in deltas]
     if chunk is not None:  # chunks that end inside segments and across their ends
         monkeypatch.setattr(merge, "_MIX_CHUNK", chunk)

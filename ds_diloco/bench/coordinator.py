@@ -2,7 +2,7 @@
 
 (a) Outer step: the work ``Coordinator._merge`` does for one round, with the same
 functions and the same memory layout: ``merge.merge_fragment`` over K separate
-(F,) fp32 rows (the coordinator's ``RowPool`` buffers), squared norms precomputed per segment
+(F,) fp32 rows (the coordinator's ``BufferPool`` buffers), squared norms precomputed per segment
 (the coordinator computes them at ingest), into a preallocated gradient, then
 ``NesterovSGD.step``. Counted bytes: (K + 2) x F x 4 (K contributions, the
 global values, the momentum buffer). Baseline: ``dst.copy_(src)`` of as many
@@ -271,7 +271,7 @@ def bench_outer_step(
         raise ValueError(f"--contributions must be >= 1, got {k}")
     f = sum(s.numel for s in segments)
     gen = torch.Generator().manual_seed(seed)
-    # One buffer per contribution, as the coordinator's RowPool holds them. Pseudo-gradients
+    # One buffer per contribution, as the coordinator's BufferPool holds them. Pseudo-gradients
     # of ~1e-3, of a different size per island, as islands differ.
     deltas = [torch.empty(f).normal_(generator=gen).mul_(1e-3 * (1 + i)) for i in range(k)]
     sq = torch.stack([segment_sq_norms(row, segments) for row in deltas])  # done at ingest
