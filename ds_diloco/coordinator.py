@@ -1064,7 +1064,7 @@ class Coordinator:
             if v.dim() == 0:  # counters
                 state[k] = v.clone()
                 continue
-            buf = self._buffers.take(v.numel())  # 1-D fp32, as every outer state vector
+            buf = self._buffers.take_transient(v.numel())  # 1-D fp32, as every state vector
             lent.append(buf)
             state[k] = buf.copy_(v)
         return state, lent

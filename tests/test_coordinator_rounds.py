@@ -15,7 +15,7 @@ from ds_diloco import wire
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
-from ds_diloco.fragment_state import BufferPool
+from ds_diloco.fragment_state import BufferPool, size_class
 from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.metrics import prometheus_text
 from ds_diloco.round_policy import PolicyOptions
@@ -601,12 +601,8 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
     # Steady state: the served values, a row, the outer-state copy and the next values
     # take turns in the same buffers (a fifth held version 2 while its body was out); only
     # the served values stay in use.
-    assert coord.status()["buffers"] == {
-        "made": made,
-        "in_use": 1,
-        "bytes": made * 4 * coord._buffers.numel,
-    }
-    assert made == 5
+    assert coord.status()["buffers"]["made"] == made == 5
+    assert coord.status()["buffers"]["in_use"] == 1
 
 
 def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_config_path, tmp_path):
@@ -1116,41 +1112,50 @@ def test_fragment_sized_buffers_are_shared_by_the_fragments(tiny_config_path, tm
     # 4 islands of 2 ranks sync 8 fragments in turn, all 4 in every round (K = 4). In use:
     # each fragment's served values once it merged (those made at start are let go), a row
     # per contribution from its first upload until its merge (4 at once), and a merge's
-    # output, new values and outer-state copy. Made: 8 + 4 + 3, where buffers kept per
-    # fragment were 8 x (4 rows, an output, a spare copy of the values) + the values.
+    # output, new values and outer-state copy. The 8 fragments fall in 4 size classes:
+    # the embedding's alone (the largest: rows, outputs and copies are of its class), the
+    # others in 3. Made for good: 7 served values and a spare for each of their 3 classes,
+    # and 8 of the largest class (its served values, 4 rows, an output, the next values
+    # and a copy of the momentum, in use together while it merges): 18, where buffers kept
+    # per fragment were 8 x (4 rows, an output, a spare of the values) + the values: 56.
     clock = Clock()
     policy = PolicyOptions(min_quorum=4, tau=1)
     coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, num_fragments=8,
                  sync_every=8, durable_merges=False)  # fmt: skip
+    sizes = [f.numel for f in coord.plan.fragments]
+    assert [size_class(n) for n in sizes].count(size_class(max(sizes))) == 1
+    assert len({size_class(n) for n in sizes}) == 4
     islands = ("a", "b", "c", "d")
     for island in islands:
         coord.register(island, 2, coord.plan.signature)
-    for step in range(1, 17):
+    for step in range(1, 25):
         fragment = (step - 1) % 8
         for island in islands:
             send(coord, island, fragment, step, world_size=2)
         assert coord.status()["buffers"]["in_use"] == min(step - 1, 8) + 4
         assert coord.poll(fragment).merge
         assert coord.status()["buffers"]["in_use"] == min(step, 8)
-    assert coord.versions() == [2] * 8
-    largest = max(f.numel for f in coord.plan.fragments)
-    made = {"made": 15, "bytes": 15 * largest * 4}
-    assert coord.status()["buffers"] == {**made, "in_use": 8}
+        if step == 16:
+            two_cycles = coord.status()["buffers"]
+    assert coord.versions() == [3] * 8
+    made = {k: two_cycles[k] for k in ("made", "bytes")}
+    assert made["made"] == 18
+    assert coord.status()["buffers"] == {**made, "in_use": 8}  # the third cycle made none
     # One island's half-sent contribution holds one row; dropped, it gives it back.
     frag = coord.plan.fragments[0]
     full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
-    header = wire.UploadHeader(island="a", rank=0, world_size=2, fragment=0, base_version=2,
-                               step=17, tokens=100, steps=1)  # fmt: skip
+    header = wire.UploadHeader(island="a", rank=0, world_size=2, fragment=0, base_version=3,
+                               step=25, tokens=100, steps=1)  # fmt: skip
     coord.upload(wire.encode_upload(header, rank_slices(frag, full, 2, 0)))
     assert coord.status()["buffers"]["in_use"] == 9
     again = coord.register("a", 2, coord.plan.signature)  # registers again: its pending ones go
     assert coord.status()["buffers"] == {**made, "in_use": 8}
     text = prometheus_text(coord.status())
-    assert f"ds_diloco_fragment_buffer_bytes {15 * largest * 4}\n" in text
+    assert f"ds_diloco_fragment_buffer_bytes {made['bytes']}\n" in text
     # A failed merge gives back what it took: the values it stepped, the outer-state copy.
     for island in islands:
         inc = again["incarnation"] if island == "a" else 1
-        send(coord, island, 1, 18, world_size=2, incarnation=inc)
+        send(coord, island, 1, 26, world_size=2, incarnation=inc)
     opt = coord._frags[1].optimizer
     real_step = opt.step
 
@@ -1161,21 +1166,32 @@ def test_fragment_sized_buffers_are_shared_by_the_fragments(tiny_config_path, tm
     opt.step = step_then_fail
     assert not coord.poll(1).merge
     opt.step = real_step
-    assert coord.versions()[1] == 2
+    assert coord.versions()[1] == 3
     assert coord.status()["buffers"] == {**made, "in_use": 8 + 4}  # the rows wait for a retry
 
 
-def test_buffer_pool_reuses_its_buffers_and_refuses_misuse():
-    pool = BufferPool(10)
-    a = pool.take(6)
-    assert a.shape == (6,) and pool.usage() == {"made": 1, "in_use": 1, "bytes": 40}
-    b = pool.take(10)
+def test_buffer_pool_reuses_its_buffers_by_size_class_and_refuses_misuse():
+    assert [size_class(n) for n in (1, 16, 17, 100, 1000, 2**20 + 1)] == [
+        1, 16, 18, 104, 1024, 2**20 + 2**17]  # fmt: skip
+    assert all(n <= size_class(n) <= n * 9 / 8 for n in range(1, 5000))
+    pool = BufferPool(largest=3000)
+    a = pool.take(1000)
+    assert a.shape == (1000,) and pool.usage() == {"made": 1, "in_use": 1, "bytes": 4096}
+    b = pool.take(2000)
     pool.give(a)
-    assert pool.take(4).data_ptr() == a.data_ptr()  # the same pages, not new ones
-    assert pool.usage() == {"made": 2, "in_use": 2, "bytes": 80}
+    assert pool.take(1000).data_ptr() == a.data_ptr()  # the same pages, not new ones
+    assert pool.usage() == {"made": 2, "in_use": 2, "bytes": 4096 + 8192}
+    pool.give(b)
+    assert pool.take(3000).data_ptr() != b.data_ptr()  # another class: a new buffer
+    assert pool.take(1990).data_ptr() == b.data_ptr()  # its class: the free one
     assert pool.owns(b) and not pool.owns(torch.zeros(10)) and not pool.owns(b.clone())
     pool.give(b)
     with pytest.raises(RuntimeError, match="given back twice"):
         pool.give(b)
-    with pytest.raises(ValueError, match="11 elements from a pool of 10-element buffers"):
-        pool.take(11)
+    assert pool.take_transient(10).untyped_storage().nbytes() == 4 * size_class(3000)
+    with pytest.raises(ValueError, match="a buffer of 0 elements"):
+        pool.take(0)
+    with pytest.raises(
+        ValueError, match=r"a buffer of 3001 elements \(the largest fragment: 3000\)"
+    ):
+        pool.take_transient(3001)
