@@ -510,6 +510,12 @@ class RunConfig:
     """While the run goes on, export the live global model (one consistent set of served
     versions, with a model card) every this many merges, summed over fragments, into
     ``workdir/exports/merges-<n>``; 0: never."""
+    eval_every_merges: int = 0
+    """While the run goes on, compute the held-out loss of the live global model (the
+    run's held-out blocks, in the run's own process, on its CPU) every this many merges,
+    summed over fragments, and once more at the end: printed, on TensorBoard
+    (``global/heldout_loss``) and in summary.json (``global_evals``); 0: never. The
+    islands' losses are their local models'; this is the merged model's."""
     push_to_hub: str | None = None
     """A Hugging Face Hub repo the final export (with the run's model card) and each periodic
     export are pushed to, one commit each; the token is checked before the run starts."""
@@ -532,8 +538,9 @@ class RunConfig:
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):
             raise ValueError(f"islands: names must be unique, got {names}")
-        if self.export_every_merges < 0:
-            raise ValueError(f"export_every_merges must be >= 0, got {self.export_every_merges}")
+        for name in ("export_every_merges", "eval_every_merges"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.push_to_hub is not None and not self.push_to_hub.strip():
             raise ValueError("push_to_hub: empty; name a Hub repo (OWNER/NAME) or leave it out")
         if self.max_restarts < 0 or not _finite(self.restart_backoff_s):

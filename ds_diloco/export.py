@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fmt: skip
+_BUILD_LOCK = threading.Lock()
 SNAPSHOT_ATTEMPTS = 10
 """Download passes before giving up on a coordinator whose fragments keep merging."""
 
@@ -359,42 +361,27 @@ def _alive(pid: str | None) -> bool:
     return True
 
 
-def export_model(
-    config_dict: dict,
-    tensors: dict[str, torch.Tensor],
-    out_dir: str | os.PathLike,
-    tokenizer: str | os.PathLike | None = None,
-    max_shard_size: int | str = "2GB",
-    dtype: torch.dtype | str | None = None,
-    generation_config: dict | None = None,
-) -> str:
-    """Write a Hugging Face model folder (config, generation config, safetensors
-    shards with an index when larger than ``max_shard_size``, tokenizer when given).
+def global_model(config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+    """The Hugging Face model (eval mode) holding ``tensors`` (named as ``named_parameters()``
+    names them, tied weights once; the tie is restored here) for ``config`` (a
+    ``PretrainedConfig`` or its dict), in ``dtype`` (default: the tensors' fp32). The
+    tensors are assigned, not copied (a cast to ``dtype`` makes copies).
 
-    ``tensors`` are named as ``named_parameters()`` names them (tied weights once;
-    the tie is restored here). ``dtype`` (default: the tensors' fp32) is the
-    saved dtype. The generation config is ``generation_config``, else the
-    tokenizer folder's generation_config.json (a pretrained model folder has one),
-    else derived from the model config. Returns the folder.
+    One model at a time: accelerate's ``init_empty_weights`` patches torch.nn.Module for
+    the whole process while it is open, and parameters registered meanwhile in another
+    thread (a run's periodic export and evaluation) went to the meta device.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    if isinstance(config, dict):
+        config = _hf_config(config)
+    with _BUILD_LOCK:
+        model = _build_with(config, tensors, dtype)
+    model.eval()
+    return model
 
-    config = _hf_config(config_dict)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    tok = None
-    if tokenizer is not None:  # before any writing: a bad tokenizer leaves no half export
-        if not Path(tokenizer).is_dir():
-            raise ValueError(f"tokenizer {str(tokenizer)!r} is not a folder")
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
-        if len(tok) > config.vocab_size:
-            raise ValueError(
-                f"tokenizer {str(tokenizer)!r} has {len(tok)} tokens, more than the model's "
-                f"vocab_size {config.vocab_size}"
-            )
+
+def _build_with(config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
 
     # Parameters on the meta device, buffers (rotary frequencies) real: no memory
     # is spent on weights that are replaced anyway.
@@ -424,7 +411,46 @@ def export_model(
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"parameters left without values after loading: {left[:5]}")
-    model.eval()
+    return model
+
+
+def export_model(
+    config_dict: dict,
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    max_shard_size: int | str = "2GB",
+    dtype: torch.dtype | str | None = None,
+    generation_config: dict | None = None,
+) -> str:
+    """Write a Hugging Face model folder (config, generation config, safetensors
+    shards with an index when larger than ``max_shard_size``, tokenizer when given).
+
+    ``tensors`` are named as ``named_parameters()`` names them (tied weights once;
+    the tie is restored here). ``dtype`` (default: the tensors' fp32) is the
+    saved dtype. The generation config is ``generation_config``, else the
+    tokenizer folder's generation_config.json (a pretrained model folder has one),
+    else derived from the model config. Returns the folder.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config = _hf_config(config_dict)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    tok = None
+    if tokenizer is not None:  # before any writing: a bad tokenizer leaves no half export
+        if not Path(tokenizer).is_dir():
+            raise ValueError(f"tokenizer {str(tokenizer)!r} is not a folder")
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        if len(tok) > config.vocab_size:
+            raise ValueError(
+                f"tokenizer {str(tokenizer)!r} has {len(tok)} tokens, more than the model's "
+                f"vocab_size {config.vocab_size}"
+            )
+
+    model = global_model(config, tensors, dtype)
     if generation_config is None and tokenizer is not None:
         path = Path(tokenizer) / "generation_config.json"
         generation_config = json.loads(path.read_text()) if path.is_file() else None

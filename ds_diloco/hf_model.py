@@ -68,3 +68,18 @@ def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Mean next-token cross-entropy; ``labels`` are already shifted (data.BlockLoader)."""
     logits = model(input_ids=input_ids).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@torch.no_grad()
+def mean_loss(model, blocks: torch.Tensor, batch: int = 8) -> float:
+    """Mean ``lm_loss`` of a whole model over token blocks ((N, seq_len + 1)), ``batch``
+    blocks at a time (each batch weighs its blocks)."""
+    if len(blocks) == 0:
+        raise ValueError("no blocks to compute a loss over")
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for b in blocks.split(batch):
+        total += lm_loss(model, b[:, :-1], b[:, 1:]).item() * len(b)
+    model.train(was_training)
+    return total / len(blocks)

@@ -42,6 +42,7 @@ import torch
 from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
+from ds_diloco.live_model import PeriodicEval, PeriodicExport
 from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
 
@@ -289,6 +290,11 @@ class LocalRun:
 
     def _mark(self, what: str) -> None:
         self.startup.setdefault(what, round(time.monotonic() - self._t0, 2))
+
+    @property
+    def ca_file(self) -> str | None:
+        """The certificate the run's own clients trust (an https:// coordinator)."""
+        return self.cfg.coordinator.tls_cert if self.url.startswith("https://") else None
 
     def _coordinator_ca(self, island: str) -> str | None:
         """The coordinator's own certificate, trusted by the islands of its run."""
@@ -548,55 +554,6 @@ def _status_or_none(client: CoordinatorClient) -> dict | None:
         return None
 
 
-class PeriodicExport:
-    """Exports (and pushes) the live global model every ``export_every_merges`` merges, one
-    at a time, in a background thread: the run never waits for it."""
-
-    def __init__(self, cfg: RunConfig, lr: LocalRun):
-        self.cfg, self.lr = cfg, lr
-        self.every = cfg.export_every_merges
-        self.next = self.every
-        self.thread: threading.Thread | None = None
-        self.done: list[str] = []
-
-    def maybe(self, status: dict | None) -> None:
-        if not self.every or status is None or sum(status["merges"]) < self.next:
-            return
-        if self.thread is not None and self.thread.is_alive():
-            return  # the previous one is still writing: catch up at the next print
-        merges = sum(status["merges"])
-        self.next = (merges // self.every + 1) * self.every
-        self.thread = threading.Thread(target=self._export, args=(merges,), daemon=True)
-        self.thread.start()
-
-    def _export(self, merges: int) -> None:
-        from ds_diloco.data import tokenizer_dir
-        from ds_diloco.export import export
-
-        d = self.cfg.data
-        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
-        out = self.lr.workdir / "exports" / f"merges-{merges}"
-        try:
-            from ds_diloco.model_card import RunSummary
-
-            settings = RunSummary.from_json(_card_settings(self.cfg))  # the card's run settings
-            export(self.lr.url, out, token=self.lr.token, tokenizer=tok,
-                   repo=self.cfg.push_to_hub, run_summary=settings)  # fmt: skip
-            if self.cfg.push_to_hub:
-                from ds_diloco.hub import push_folder
-
-                push_folder(out, self.cfg.push_to_hub)
-            self.done.append(str(out))
-            print(f"[export] {out}" + (f" -> {self.cfg.push_to_hub}" if self.cfg.push_to_hub
-                                       else ""), flush=True)  # fmt: skip
-        except Exception as e:  # a failed export must not stop the run
-            print(f"[export] at {merges} merges failed: {e}", flush=True)
-
-    def join(self) -> None:
-        if self.thread is not None:
-            self.thread.join(timeout=600)
-
-
 class Board:
     """TensorBoard scalars of a run: each island's loss (every progress record), goodput,
     uptime and merges (at every progress print)."""
@@ -605,6 +562,7 @@ class Board:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir))
+        self.lock = threading.Lock()  # the run's loop and its background evaluations write
         self.islands_dir = islands_dir
         self.read: dict[str, int] = {}  # bytes of each progress.jsonl already written
         self.t0 = time.monotonic()
@@ -622,7 +580,16 @@ class Board:
                 if isinstance(record, dict):
                     yield name, record
 
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        with self.lock:
+            self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+
     def write(self, status: dict | None) -> None:
+        with self.lock:
+            self._write(status)
+
+    def _write(self, status: dict | None) -> None:
         t = time.monotonic() - self.t0
         for name, r in self._new_records():
             if "loss" in r and "step" in r:
@@ -638,7 +605,8 @@ class Board:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        with self.lock:
+            self.writer.close()
 
 
 def _signal_group(p: subprocess.Popen, sig) -> None:
@@ -785,18 +753,12 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
     """Held-out loss of the initial and the merged model, and a sample from the merged one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ds_diloco.hf_model import build_model, lm_loss
+    from ds_diloco.hf_model import build_model, mean_loss
 
-    @torch.no_grad()
-    def loss_of(model) -> float:
-        model.eval()
-        losses = [lm_loss(model, b[:, :-1], b[:, 1:]).item() for b in heldout.split(8)]
-        return sum(losses) / len(losses)
-
-    out = {"heldout_loss_initial": loss_of(build_model(cfg.model))}
+    out = {"heldout_loss_initial": mean_loss(build_model(cfg.model), heldout)}
     if export_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-        out["heldout_loss_merged"] = loss_of(model)
+        out["heldout_loss_merged"] = mean_loss(model, heldout)
         tok = AutoTokenizer.from_pretrained(export_dir)
         ids = tok(cfg.prompt, return_tensors="pt").input_ids
         torch.manual_seed(0)
@@ -815,10 +777,12 @@ def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> 
     return out
 
 
-def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict | None]:
+def _drive(
+    cfg: RunConfig, lr: LocalRun, point: dict | None, heldout: torch.Tensor
+) -> tuple[int, dict | None, list[dict]]:
     """Start the islands (or resume them at ``point``) with the spawned coordinator,
     supervise them until every island is done, and return (exit code, the coordinator's
-    last status).
+    last status, the periodic evaluations of the global model).
 
     A fresh run starts its islands while the coordinator starts up. A resumed one first
     reads where the coordinator resumed: islands already training could merge before
@@ -832,6 +796,7 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
         print(f"  watch it: ds-diloco status {lr.url} --token-file {lr.token_file}{ca}", flush=True)
     board = Board(lr.workdir / "tensorboard", lr.workdir / "islands")
     exports = PeriodicExport(cfg, lr)
+    evals = PeriodicEval(cfg, lr, heldout, board)
     if point is not None:
         st = client.status()
         lr.start_islands(skip={n for n, p in point.items() if p.get("done")})
@@ -839,8 +804,8 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
                  for n, p in point.items()}  # fmt: skip
         print(f"resuming at versions {st['versions']} (merges {st['merges']}); "
               f"islands {where}", flush=True)  # fmt: skip
-        if exports.every:  # the next export after the merges made already
-            exports.next = (sum(st["merges"]) // exports.every + 1) * exports.every
+        for periodic in (exports, evals):  # the next ones after the merges made already
+            periodic.resume_at(sum(st["merges"]))
         board.read = {p.parent.name: p.stat().st_size  # records already on the board
                       for p in (lr.workdir / "islands").glob("*/progress.jsonl")}  # fmt: skip
     sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
@@ -853,12 +818,14 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
             status = _status_or_none(client)
             board.write(status)
             exports.maybe(status)
+            evals.maybe(status)
             next_print += PROGRESS_EVERY_S
         time.sleep(0.2)
     print(lr.progress_line(client), flush=True)
     final_status = _status_or_none(client)
     exports.maybe(final_status)  # a short run may cross its first export only at the end
     exports.join()
+    evals.finish(final_status)  # the last point of the curve: the final global model
     board.write(final_status)
     board.close()
     failed = lr.failed_islands()
@@ -868,7 +835,7 @@ def _drive(cfg: RunConfig, lr: LocalRun, point: dict | None) -> tuple[int, dict 
     others = {n: rc for n, rc in failed.items() if n not in lr.superseded}
     if others:
         print(f"islands failed: {others} (see their log.txt)", flush=True)
-    return (1 if failed else 0), final_status
+    return (1 if failed else 0), final_status, evals.records
 
 
 def run(cfg: RunConfig, resume: bool = False) -> int:
@@ -894,7 +861,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
     t0 = time.monotonic()
-    code, final_status, stopped_by = 0, None, None
+    code, final_status, stopped_by, global_evals = 0, None, None, []
     with stop_on_signals():
         try:
             lr.spawn_coordinator()  # it starts up while the data is prepared
@@ -905,7 +872,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             check_islands_inputs(cfg)
             heldout = as_tensor(heldout[:64])
-            code, final_status = _drive(cfg, lr, point)
+            code, final_status, global_evals = _drive(cfg, lr, point, heldout)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
             code, stopped_by = e.exit_code, str(e)
@@ -918,9 +885,11 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
-               "startup": lr.startup, **_card_settings(cfg)}  # fmt: skip
+               "startup": lr.startup, **card_settings(cfg)}  # fmt: skip
     if point is not None:
         summary["resumed_from"] = point
+    if global_evals:
+        summary["global_evals"] = global_evals
     if stopped_by:
         summary["stopped_by"] = stopped_by
     if code < 128 and final_status is not None:  # not stopped by a signal
@@ -970,7 +939,7 @@ def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
             print(f"[export] pushing {export_dir} to {repo} failed: {e}", flush=True)
 
 
-def _card_settings(cfg: RunConfig) -> dict:
+def card_settings(cfg: RunConfig) -> dict:
     """The run file's settings, under :class:`RunSummary`'s keys: without them the card said
     "not given" for the base model, data, outer optimizer, H, tau and K, which the
     coordinator's state does not hold (``summary.json`` carries them for

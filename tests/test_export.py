@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ds_diloco.data import train_tokenizer
 from ds_diloco.export import (
     export,
     export_model,
+    global_model,
     load_global,
     load_global_tensors,
     replacing_folder,
@@ -182,6 +184,30 @@ def test_lm_head_is_right_tied_or_not(tmp_path, tied):
     head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
     assert torch.equal(loaded.lm_head.weight, head)
     assert torch.equal(logits(loaded.eval()), logits(model.eval()))
+
+
+def test_models_built_in_threads_at_once_keep_their_tie(tmp_path):
+    # A run's periodic export and evaluation build models in two threads at the same time;
+    # accelerate's init_empty_weights patches torch.nn.Module process-wide while it is open,
+    # and one of them came out with its head apart ("missing ['lm_head.weight']").
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA))
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    errors, tied = [], []
+
+    def build():
+        try:
+            for _ in range(3):
+                m = global_model(TINY_LLAMA, tensors)
+                tied.append(m.lm_head.weight is m.model.embed_tokens.weight)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=build) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and tied == [True] * 18, (errors, tied)
 
 
 def test_sharded_export_has_an_index_and_loads_the_same(served, tmp_path):

@@ -52,7 +52,8 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
         steps=24, outer={"name": "nesterov", "lr": 0.7, "momentum": 0.4},
     )  # fmt: skip
     run = json.loads(run_file.read_text())
-    run_file.write_text(json.dumps({**run, "export_every_merges": 8}))  # periodic exports
+    # Periodic exports and evaluations of the live global model.
+    run_file.write_text(json.dumps({**run, "export_every_merges": 8, "eval_every_merges": 8}))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
@@ -70,6 +71,15 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
          summary["islands"].items()}, "loss": [summary["heldout_loss_initial"],
          summary["heldout_loss_merged"]]}  # a string: pytest cuts a long dict short
     )  # fmt: skip
+    # The global model's held-out loss as it went (every 8 merges, and at the end): its
+    # last point is the final model's, computed from the live coordinator's tensors,
+    # that the export read back from the state dir.
+    evals = summary["global_evals"]
+    assert len(evals) >= 2 and [e["merges"] for e in evals] == sorted(e["merges"] for e in evals)
+    assert evals[-1]["merges"] == sum(summary["merges"]), (evals, summary["merges"])
+    assert abs(evals[-1]["heldout_loss"] - summary["heldout_loss_merged"]) < 1e-5, evals
+    assert min(e["heldout_loss"] for e in evals) < summary["heldout_loss_initial"] - 0.3, evals
+    assert "[eval] global model at" in proc.stdout
     assert summary["sample"].startswith("Shall I")
     assert len(summary["sample"]) > len("Shall I") + 20, summary["sample"]  # not the prompt alone
     # The export's model card carries the run's own figures.
@@ -97,7 +107,7 @@ def test_two_islands_of_two_zero3_ranks_train_merge_and_export(tmp_path, tiny_co
     board = EventAccumulator(str(workdir / "tensorboard"))
     board.Reload()
     tags = set(board.Tags()["scalars"])
-    assert {"loss/a", "loss/b", "run/goodput", "run/merges"} <= tags, tags
+    assert {"loss/a", "loss/b", "run/goodput", "run/merges", "global/heldout_loss"} <= tags, tags
     uploads = {"a": [], "b": []}
     for name in ("a", "b"):
         for rank in (0, 1):
@@ -760,7 +770,7 @@ def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_p
     monkeypatch.setattr(LocalRun, "stop", lambda self: None)
     monkeypatch.setattr(ds_diloco.data, "prepare_corpus", lambda *a, **k: (None, []))
     monkeypatch.setattr(ds_diloco.data, "heldout_split", lambda *a, **k: ([None], []))  # one block
-    monkeypatch.setattr(run_mod, "_drive", lambda cfg, lr, point: (0, None))
+    monkeypatch.setattr(run_mod, "_drive", lambda cfg, lr, point, heldout: (0, None, []))
     monkeypatch.setattr(ds_diloco.export, "export", export)
     monkeypatch.setattr(run_mod, "evaluate", lambda *a: {})
     assert run_mod.run(cfg) == 0
