@@ -75,6 +75,10 @@ def _render(st: dict, url: str) -> str:
     traffic = st.get("traffic")  # not from a coordinator before this field
     if traffic:
         out.append(f"traffic since the coordinator started: {traffic_text(traffic)}")
+    buffers = st.get("buffers")  # not from a coordinator before this field
+    if buffers:
+        out.append(f"fragment buffers: {buffers['made']} ({_mb(buffers['bytes'])}; values, "
+                   f"rows, merges), {buffers['in_use']} in use")  # fmt: skip
     islands = st["islands"]
     if islands:
         cols = ("island", "ranks", "state", "step", "step time", "merged", "dropped",

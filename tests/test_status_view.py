@@ -88,6 +88,11 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
         f"traffic since the coordinator started: uploads {sent / 1e6:,.1f} MB in, "
         "downloads 0.0 MB out"
     )
+    b = server.coord.status()["buffers"]  # both fragments' values, the rows given back
+    assert b["in_use"] == 2 and lines[3] == (
+        f"fragment buffers: {b['made']} ({b['bytes'] / 1e6:,.1f} MB; values, rows, merges), "
+        "2 in use"
+    )
     row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
     assert row["a"][2] == "left" and row["b"][2] == "live"
     assert row["a"][5] == "2" and row["b"][5] == "2"  # contributions merged
