@@ -106,6 +106,12 @@ def _simulate(args) -> int:
     return simulate_main(args)
 
 
+def _eval(args) -> int:
+    from ds_diloco.global_eval import main as eval_main
+
+    return eval_main(args)
+
+
 def _status(args) -> int:
     from ds_diloco.status_view import main as status_main
 
@@ -210,6 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--private", action="store_true", help="create the Hub repo private")
     e.add_argument("--revision", metavar="BRANCH", default=None, help="Hub branch (created)")
     e.set_defaults(fn=_export)
+
+    ev = sub.add_parser("eval", help="held-out loss of the global model, once or every N "
+                        "merges while a run goes on")  # fmt: skip
+    ev.add_argument("--from", dest="source", required=True, metavar="URL|STATE_DIR",
+                    help="a running coordinator's http(s):// URL, or its state directory")  # fmt: skip
+    ev.add_argument("--data", required=True, metavar="FILE",
+                    help="a run or island file: its data section gives the held-out blocks")  # fmt: skip
+    ev.add_argument("--blocks", type=int, default=64, help="held-out blocks to evaluate")
+    ev.add_argument("--every-merges", type=int, default=None, metavar="N",
+                    help="watch a URL: evaluate now and each time N more merges are made")  # fmt: skip
+    ev.add_argument("--count", type=int, default=None, help="stop after this many (a watch)")
+    ev.add_argument("--poll-s", type=float, default=5.0, help=argparse.SUPPRESS)
+    etok = ev.add_mutually_exclusive_group()
+    etok.add_argument("--token", default=None, help="bearer token (default: $DS_DILOCO_TOKEN)")
+    etok.add_argument("--token-file", default=None, metavar="FILE",
+                      help="read it from FILE (the coordinator's state_dir/token)")  # fmt: skip
+    ev.add_argument("--ca-file", default=None, metavar="PEM", help=CA_FILE_HELP)
+    ev.add_argument("--json", metavar="PATH", default=None, help="append each result as a line")
+    ev.add_argument("--tensorboard", metavar="DIR", default=None,
+                    help="write global/heldout_loss by merges there")  # fmt: skip
+    ev.set_defaults(fn=_eval)
 
     g = sub.add_parser("convert-gguf", help="a GGUF checkpoint -> Hugging Face folder")
     src = g.add_mutually_exclusive_group(required=True)

@@ -895,6 +895,14 @@ def _island_train(islands, train):
     return out
 
 
+def load_data_config(path: str | os.PathLike) -> DataConfig:
+    """The ``data`` section of a run or island file (its paths relative to the file)."""
+    data = _resolve_paths(load_file(path), Path(path).resolve().parent, FILE_PATHS)
+    if not isinstance(data.get("data"), dict):
+        raise ValueError(f"{str(path)!r} has no data section (a run or island file has one)")
+    return from_dict(DataConfig, data["data"], "data.")
+
+
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     """A run file; the coordinator section takes the run's model and workdir/state by default."""
     base = Path(path).resolve().parent

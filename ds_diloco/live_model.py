@@ -103,20 +103,15 @@ class PeriodicEval(EveryMerges):
         self._t0 = time.monotonic()
 
     def work(self, merges: int) -> None:
-        from ds_diloco.export import global_model, load_global
-        from ds_diloco.hf_model import mean_loss
+        from ds_diloco.global_eval import describe, evaluate_global
 
         try:
-            g = load_global(self.lr.url, token=self.lr.token, ca_file=self.lr.ca_file)
-            loss = mean_loss(global_model(g.config, g.tensors), self.heldout)
+            record = evaluate_global(self.lr.url, self.heldout, self.lr.token, self.lr.ca_file)
         except Exception as e:  # a failed evaluation must not stop the run
             print(f"[eval] at {merges} merges failed: {e}", flush=True)
             return
-        merged = sum(g.merges) if g.merges else merges
-        record = {"merges": merged, "versions": g.versions, "heldout_loss": loss,
-                  "t_s": round(time.monotonic() - self._t0, 1)}  # fmt: skip
+        record["t_s"] = round(time.monotonic() - self._t0, 1)
         self.records.append(record)
         if self.board is not None:
-            self.board.scalar("global/heldout_loss", loss, merged)
-        print(f"[eval] global model at {merged} merges (versions {min(g.versions)}.."
-              f"{max(g.versions)}): held-out loss {loss:.4f}", flush=True)  # fmt: skip
+            self.board.scalar("global/heldout_loss", record["heldout_loss"], record["merges"])
+        print(f"[eval] {describe(record)}", flush=True)

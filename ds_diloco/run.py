@@ -42,6 +42,7 @@ import torch
 from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
+from ds_diloco.global_eval import HELDOUT_BLOCKS
 from ds_diloco.live_model import PeriodicEval, PeriodicExport
 from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
@@ -871,7 +872,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             check_islands_inputs(cfg)
-            heldout = as_tensor(heldout[:64])
+            heldout = as_tensor(heldout[:HELDOUT_BLOCKS])
             code, final_status, global_evals = _drive(cfg, lr, point, heldout)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)

@@ -118,7 +118,7 @@ def _int_key(item) -> int:
     return int(item[0])
 
 
-def _token_file(path: str | None) -> str | None:
+def token_from_file(path: str | None) -> str | None:
     """The token in ``path`` (a run's or a standalone coordinator's ``state_dir/token``)."""
     if path is None:
         return None
@@ -138,7 +138,7 @@ def main(args) -> int:
 
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
 
-    token = args.token or _token_file(args.token_file) or os.environ.get(TOKEN_ENV)
+    token = args.token or token_from_file(args.token_file) or os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"no bearer token for {args.url}: pass --token or --token-file, "
                          f"or set ${TOKEN_ENV}")  # fmt: skip

@@ -1,0 +1,141 @@
+"""``ds-diloco eval``: the held-out loss of the global model, from a state dir or a live
+coordinator (a watch every N merges), on the islands' own held-out blocks."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ds_diloco import wire
+from ds_diloco.cli import main as cli_main
+from ds_diloco.client import CoordinatorClient, rank_slices
+from ds_diloco.config import CoordinatorConfig, ModelSource, load_data_config
+from ds_diloco.coordinator import Coordinator
+from ds_diloco.global_eval import heldout_blocks
+from ds_diloco.round_policy import PolicyOptions
+from ds_diloco.server import ServerThread
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "eval-token"
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "island.yaml"  # only its data section is read
+    path.write_text(yaml.safe_dump({"data": {
+        "path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 32,
+        "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05}}))  # fmt: skip
+    return path
+
+
+def _coord_cfg(tiny_config_path, state_dir) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(state_dir),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        token=TOKEN,
+    )  # fmt: skip
+
+
+def _loss(tiny_config_path, tensors, blocks) -> float:
+    """The mean next-token loss, computed apart from ds_diloco's own helpers."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=blocks[:, :-1]).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()))
+
+
+def test_eval_of_a_state_dir_is_the_loss_of_its_model_on_the_islands_heldout_blocks(
+    tiny_config_path, data_file, tmp_path, capsys
+):
+    coord = Coordinator(_coord_cfg(tiny_config_path, tmp_path / "state"))
+    out = tmp_path / "evals.jsonl"
+    code = cli_main(["eval", "--from", str(tmp_path / "state"), "--data", str(data_file),
+                     "--blocks", "8", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    record = json.loads(out.read_text())
+    blocks = heldout_blocks(load_data_config(data_file), 8)
+    assert blocks.shape == (8, 33)
+    want = _loss(tiny_config_path, coord.global_tensors(), blocks)
+    assert abs(record["heldout_loss"] - want) < 1e-5, (record, want)
+    assert record["merges"] == 0 and record["versions"] == [0, 0]
+    assert f"global model at 0 merges (versions 0..0): held-out loss {want:.4f}" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_watch_evaluates_now_and_after_every_n_merges(tiny_config_path, data_file, tmp_path):
+    srv = ServerThread(_coord_cfg(tiny_config_path, tmp_path / "state"))
+    out = tmp_path / "evals.jsonl"
+    codes = []
+    argv = ["eval", "--from", srv.url, "--data", str(data_file), "--blocks", "4", "--token",
+            TOKEN, "--every-merges", "2", "--count", "2", "--poll-s", "0.05", "--json", str(out),
+            "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
+    watch = threading.Thread(target=lambda: codes.append(cli_main(argv)))
+    try:
+        watch.start()
+        client = CoordinatorClient(srv.url, TOKEN, retries=0)
+        inc = client.register("a", 1, srv.coord.plan.signature)["incarnation"]
+        for _ in range(200):  # the first evaluation: at 0 merges
+            if out.exists() and out.read_text():
+                break
+            watch.join(0.05)
+        step = 0
+        for _ in range(2):  # 2 merges per round of both fragments: due again
+            step += 2
+            for frag in srv.coord.plan.fragments:
+                g = torch.Generator().manual_seed(step * 10 + frag.index)
+                delta = {p.name: torch.randn(p.numel, generator=g) * 1e-2 for p in frag.params}
+                header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=frag.index,
+                                           base_version=srv.coord.versions()[frag.index],
+                                           step=step, tokens=64, steps=2, incarnation=inc)  # fmt: skip
+                assert client.upload(header, rank_slices(frag, delta, 1, 0))["status"] == "accepted"
+                for _ in range(200):
+                    if srv.coord.versions()[frag.index] == step // 2:
+                        break
+                    watch.join(0.02)
+        watch.join(60)
+        assert not watch.is_alive() and codes == [0]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == 2 and records[0]["merges"] == 0 and records[1]["merges"] >= 2, (
+            records
+        )
+        assert records[0]["heldout_loss"] != records[1]["heldout_loss"]
+    finally:
+        srv.stop(save=False)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert len(board.Scalars("global/heldout_loss")) == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--every-merges", "2"], "--every-merges needs a running coordinator's URL"),
+        (["--every-merges", "0"], "--every-merges must be >= 1, got 0"),
+        (["--blocks", "0"], "held-out blocks: need at least 1, got 0"),
+    ],
+)
+def test_eval_refuses_bad_arguments_in_one_line(tmp_path, data_file, capsys, extra, message):
+    code = cli_main(["eval", "--from", str(tmp_path), "--data", str(data_file), *extra])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_eval_needs_a_file_with_a_data_section_and_a_token_for_a_url(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DS_DILOCO_TOKEN", raising=False)
+    bare = tmp_path / "c.yaml"
+    bare.write_text("model: {config: x}\n")
+    assert cli_main(["eval", "--from", str(tmp_path), "--data", str(bare)]) == 2
+    assert "has no data section (a run or island file has one)" in capsys.readouterr().err
+    assert cli_main(["eval", "--from", "http://127.0.0.1:9", "--data", str(bare)]) == 2
+    assert "no bearer token for http://127.0.0.1:9" in capsys.readouterr().err
