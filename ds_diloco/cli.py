@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", required=True, metavar="FILE",
                     help="a run or island file: its data section gives the held-out blocks")  # fmt: skip
     ev.add_argument("--blocks", type=int, default=64, help="held-out blocks to evaluate")
+    ev.add_argument("--device", default=None,
+                    help="where the forward runs (default: cuda when there is one, else cpu)")  # fmt: skip
     ev.add_argument("--every-merges", type=int, default=None, metavar="N",
                     help="watch a URL: evaluate now and each time N more merges are made")  # fmt: skip
     ev.add_argument("--count", type=int, default=None, help="stop after this many (a watch)")

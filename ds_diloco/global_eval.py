@@ -38,15 +38,18 @@ def heldout_blocks(d: DataConfig, count: int = HELDOUT_BLOCKS) -> torch.Tensor:
 
 def evaluate_global(
     source: str | os.PathLike, heldout: torch.Tensor, token: str | None = None,
-    ca_file: str | None = None,
+    ca_file: str | None = None, device: str = "cpu",
 ) -> dict:  # fmt: skip
     """{"merges", "versions", "heldout_loss"} of the global model at ``source`` (a
-    coordinator URL or its state directory) on ``heldout``."""
+    coordinator URL or its state directory) on ``heldout``, computed on ``device``
+    (in fp32 there: the global model's own precision)."""
     from ds_diloco.export import global_model, load_global
     from ds_diloco.hf_model import mean_loss
 
     g = load_global(source, token, ca_file=ca_file)
-    loss = mean_loss(global_model(g.config, g.tensors), heldout)
+    model = global_model(g.config, g.tensors).to(device)
+    del g.tensors  # on a GPU: the host copies go
+    loss = mean_loss(model, heldout)
     merges = sum(g.merges) if g.merges is not None else None
     return {"merges": merges, "versions": g.versions, "heldout_loss": loss}
 
@@ -76,6 +79,7 @@ def main(args) -> int:
     if is_url(args.source) and not token:
         raise ValueError(f"no bearer token for {args.source}: pass --token or --token-file, "
                          f"or set ${TOKEN_ENV}")  # fmt: skip
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     heldout = heldout_blocks(load_data_config(args.data), args.blocks)
     board = None
     if args.tensorboard:
@@ -84,7 +88,7 @@ def main(args) -> int:
         board = SummaryWriter(args.tensorboard)
 
     def evaluate() -> dict:
-        record = {**evaluate_global(args.source, heldout, token, args.ca_file),
+        record = {**evaluate_global(args.source, heldout, token, args.ca_file, device),
                   "time": round(time.time(), 3)}  # fmt: skip
         print(describe(record), flush=True)
         if args.json:

@@ -78,8 +78,10 @@ def mean_loss(model, blocks: torch.Tensor, batch: int = 8) -> float:
         raise ValueError("no blocks to compute a loss over")
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     total = 0.0
     for b in blocks.split(batch):
+        b = b.to(device)
         total += lm_loss(model, b[:, :-1], b[:, 1:]).item() * len(b)
     model.train(was_training)
     return total / len(blocks)
