@@ -30,6 +30,14 @@ at the fragment size asked for and at the tiny Llama's (about 2 MiB, 8 fragments
 in ``bench island``). No baseline: the figure is what competes with the islands
 for the cores.
 
+(d) Coordinator memory: a coordinator in its own process, the model of (a) cut into
+P = 8 fragments, M = 4 islands of one rank syncing them in turn, all in every round
+(K = M), 2P rounds. Reported: how much its RSS grew from before the coordinator was
+made (after building the model once: the imports), against what it must hold: the global values and the outer momentum (twice the
+model) and M + 3 buffers of the largest fragment (a row per island, a merge's output,
+its new values, the outer-state copy). Rows kept per fragment (before the shared
+``BufferPool``) were M + 2 more copies of the whole model.
+
 The machine is noisy: measured and baseline repetitions are interleaved, in an
 order that rotates every round, after one untimed warm-up each, and medians are
 compared. The ratios are the result; absolute figures depend on the machine.
@@ -538,6 +546,90 @@ def bench_round_cpu(
                 proc.wait()
 
 
+# ------------------------------------------------------------ (d) memory
+_MEMORY_SCRIPT = """
+import json, sys, tempfile, torch
+from ds_diloco import wire
+from ds_diloco.client import rank_slices
+from ds_diloco.config import CoordinatorConfig, ModelSource
+from ds_diloco.coordinator import Coordinator
+from ds_diloco.round_policy import PolicyOptions
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+
+model, P, M = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+from ds_diloco.hf_model import build_model
+build_model(ModelSource(config=model, seed=0))  # what building imports and keeps, first
+with tempfile.TemporaryDirectory() as d:
+    start = rss()
+    coord = Coordinator(CoordinatorConfig(
+        model=ModelSource(config=model, seed=0), state_dir=d, token="t", num_fragments=P,
+        sync_every=P, durable_merges=False, save_every_merges=10**9,
+        policy=PolicyOptions(min_quorum=M, grace_gamma=0.0, tau=1)))
+    islands = [f"i{k}" for k in range(M)]
+    for isl in islands:
+        coord.register(isl, 1, coord.plan.signature)
+    for step in range(1, 2 * P + 1):
+        f = (step - 1) % P
+        frag = coord.plan.fragments[f]
+        delta = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+        for isl in islands:
+            h = wire.UploadHeader(island=isl, rank=0, world_size=1, fragment=f, step=step,
+                                  base_version=coord.versions()[f], tokens=64, steps=1)
+            coord.upload(wire.encode_upload(h, rank_slices(frag, delta, 1, 0)))
+        del delta
+        assert coord.poll(f).merge
+    sizes = [4 * f.numel for f in coord.plan.fragments]
+    print(json.dumps({"grown": rss() - start, "model": sum(sizes), "largest": max(sizes),
+                      "buffers": coord.status()["buffers"]}))
+"""
+
+
+@dataclass
+class MemoryRun:
+    """What a coordinator holds after 2P rounds of M islands syncing P fragments in turn."""
+
+    fragments: int
+    islands: int
+    grown_bytes: int
+    """Its RSS after the rounds over its RSS before the coordinator was made."""
+    model_bytes: int
+    largest_bytes: int
+    """The largest fragment, fp32."""
+
+    @property
+    def needed_bytes(self) -> int:
+        """The global values and outer momentum, a row per island, a merge's output, its
+        new values and the outer-state copy."""
+        return 2 * self.model_bytes + (self.islands + 3) * self.largest_bytes
+
+    def to_json(self) -> dict:
+        return {"fragments": self.fragments, "islands": self.islands,
+                "grown_bytes": self.grown_bytes, "model_bytes": self.model_bytes,
+                "largest_bytes": self.largest_bytes, "needed_bytes": self.needed_bytes}  # fmt: skip
+
+
+def bench_memory(config: dict, fragments: int = 8, islands: int = 4) -> MemoryRun:
+    """A coordinator (in its own process) for ``islands`` islands of one rank syncing
+    ``fragments`` fragments in turn, all of them in every round (K = M), for 2P rounds."""
+    with tempfile.TemporaryDirectory(prefix="ds-diloco-bench-mem-") as tmp:
+        model = os.path.join(tmp, "llama.json")
+        with open(model, "w") as fh:
+            json.dump(config, fh)
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_SCRIPT, model, str(fragments), str(islands)],
+            capture_output=True, text=True, timeout=1800,
+            env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")},
+        )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"the memory bench's coordinator failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return MemoryRun(fragments, islands, got["grown"], got["model"], got["largest"])
+
+
 def _wait_healthy(proc: subprocess.Popen, client: CoordinatorClient, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -640,6 +732,7 @@ def format_report(
     upload: Comparison,
     headline_k: int,
     rounds: Sequence[RoundCpuRun] = (),
+    memory: MemoryRun | None = None,
 ) -> str:
     lines = [header, "(a) outer step (bytes = (K+2) x F x 4) vs torch copy_ of as many bytes"]
     for c in outer:
@@ -672,6 +765,15 @@ def format_report(
             f"    fragment {r.fragment_bytes / 2**20:.1f} MiB: {_ms(r.cpu_s_per_round)} CPU per "
             f"round (over {r.rounds} rounds; wall {_ms(r.wall_s / r.rounds)} per round)"
         )
+    if memory is not None:
+        m = memory
+        lines.append(
+            f"(d) coordinator memory, P = {m.fragments} fragments, M = {m.islands} islands, "
+            f"K = M, {2 * m.fragments} rounds: RSS +{m.grown_bytes / 2**20:.1f} MiB vs "
+            f"{m.needed_bytes / 2**20:.1f} MiB needed (values and momentum 2 x "
+            f"{m.model_bytes / 2**20:.1f}, M + 3 buffers of the largest fragment's "
+            f"{m.largest_bytes / 2**20:.1f}): {m.grown_bytes / m.needed_bytes:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -701,13 +803,17 @@ def main(args) -> int:
         )
         for mb in sizes:
             rounds.append(bench_round_cpu(llama_config(mb), ROUNDS_PER_REPEAT * args.repeats))
+    memory = None
+    if os.path.exists(f"/proc/{os.getpid()}/status"):  # RSS: Linux
+        memory = bench_memory(config)
     header = (
         f"ds-diloco bench coordinator  (fragment {4 * f / 2**20:.1f} MiB fp32 = "
         f"{len(segments)} tensors of a {config['num_hidden_layers']}-layer Llama, hidden "
         f"{config['hidden_size']}, vocab {config['vocab_size']}; {torch.get_num_threads()} "
         f"torch threads; median of {args.repeats}, interleaved)"
     )
-    print(format_report(header, outer, upload.comparison, args.contributions, rounds), flush=True)
+    print(format_report(header, outer, upload.comparison, args.contributions, rounds, memory),
+          flush=True)  # fmt: skip
     path = getattr(args, "json", None)
     if path:
         summary = {
@@ -720,6 +826,7 @@ def main(args) -> int:
             "outer_step": [c.to_json() for c in outer],
             "upload": upload.comparison.to_json(),
             "round_cpu": [r.to_json() for r in rounds],
+            "memory": None if memory is None else memory.to_json(),
         }
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=2)
