@@ -33,8 +33,9 @@ import time
 import torch
 
 from ds_diloco import compress, wire
+from ds_diloco.buffer_pool import BufferPool
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
-from ds_diloco.fragment_state import BufferPool, Contribution, FragmentState
+from ds_diloco.fragment_state import Contribution, FragmentState
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.island_table import (
     IslandRecord,

@@ -12,10 +12,10 @@ import requests
 import torch
 
 from ds_diloco import wire
+from ds_diloco.buffer_pool import BufferPool, size_class
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
-from ds_diloco.fragment_state import BufferPool, size_class
 from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.metrics import prometheus_text
 from ds_diloco.round_policy import PolicyOptions
