@@ -84,7 +84,7 @@ def test_a_watch_evaluates_now_and_after_every_n_merges(tiny_config_path, data_f
         watch.start()
         client = CoordinatorClient(srv.url, TOKEN, retries=0)
         inc = client.register("a", 1, srv.coord.plan.signature)["incarnation"]
-        for _ in range(200):  # the first evaluation: at 0 merges
+        for _ in range(600):  # the first evaluation: at 0 merges
             if out.exists() and out.read_text():
                 break
             watch.join(0.05)
