@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import torch
+
+IDLE_FREE_S = 60.0
+"""A free buffer not taken again for this long is let go. Rounds come every few seconds,
+so the buffers a run needs are taken again long before; what a burst needed (islands'
+final flushes hold a row per fragment until its next round) goes back to the system."""
 
 
 def size_class(numel: int) -> int:
@@ -28,14 +34,17 @@ class BufferPool:
     fragments at a time, so M islands take about M rows at once, not M per fragment.
     Kept per fragment instead, rows (M, rounded up to a power of two), a merge output
     and a spare copy of the values were M + 2 copies of the model for good (7B, M = 8:
-    270 GB). Buffers are never freed, only reused: a reused one has its pages already in.
+    270 GB). Buffers are reused, so a reused one has its pages already in; the last
+    freed is the first taken, and one idle for ``idle_free_s`` is let go.
     """
 
-    def __init__(self, largest: int):
+    def __init__(self, largest: int, idle_free_s: float = IDLE_FREE_S, clock=time.monotonic):
         self.largest = largest
         """The largest fragment's size: transient buffers are of its class."""
-        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        self._buffers: dict[int, torch.Tensor] = {}  # by data pointer: all of them
+        self.idle_free_s, self._clock = idle_free_s, clock
+        # Per size class, (when given back, buffer), the last given back last.
+        self._free: dict[int, list[tuple[float, torch.Tensor]]] = collections.defaultdict(list)
+        self._buffers: dict[int, torch.Tensor] = {}  # by data pointer: all held
         self._lock = threading.Lock()
 
     def take(self, numel: int) -> torch.Tensor:
@@ -53,8 +62,9 @@ class BufferPool:
     def _take(self, size: int, numel: int) -> torch.Tensor:
         with self._lock:
             free = self._free[size]
-            buf = free.pop() if free else None
-        if buf is None:  # more of this class in use at once than ever before
+            buf = free.pop()[1] if free else None
+            self._let_go_idle()
+        if buf is None:  # more of this class in use at once than the pool holds
             buf = torch.empty(size)
             with self._lock:
                 self._buffers[buf.data_ptr()] = buf
@@ -71,15 +81,27 @@ class BufferPool:
         with self._lock:
             buf = self._buffers[view.data_ptr()]
             free = self._free[buf.numel()]
-            if any(b is buf for b in free):
+            if any(b is buf for _, b in free):
                 raise RuntimeError("a buffer was given back twice")
-            free.append(buf)
+            free.append((self._clock(), buf))
+            self._let_go_idle()
+
+    def _let_go_idle(self) -> None:
+        """Drop the free buffers idle for ``idle_free_s`` (with ``_lock`` held): the oldest
+        are first in each list."""
+        cutoff = self._clock() - self.idle_free_s
+        for free in self._free.values():
+            n = 0
+            while n < len(free) and free[n][0] < cutoff:
+                del self._buffers[free[n][1].data_ptr()]
+                n += 1
+            del free[:n]
 
     def usage(self) -> dict[str, int]:
-        """Buffers made (the most in use at once so far, per class), those in use now, and
-        the bytes they hold."""
+        """Buffers held (in use or free: the most in use at once lately), those in use
+        now, and the bytes they hold."""
         with self._lock:
-            made = len(self._buffers)
+            held = len(self._buffers)
             free = sum(len(f) for f in self._free.values())
             nbytes = 4 * sum(b.numel() for b in self._buffers.values())
-            return {"made": made, "in_use": made - free, "bytes": nbytes}
+            return {"held": held, "in_use": held - free, "bytes": nbytes}

@@ -172,7 +172,7 @@ def prometheus_text(status: dict[str, Any]) -> str:
     buffers = status.get("buffers", {})
     metric("fragment_buffer_bytes", "gauge",
            "Memory in fragment-sized buffers: served values, contributions' rows, merges' "
-           "work; as many as were in use at once so far.", [({}, buffers.get("bytes"))])  # fmt: skip
+           "work; as many as were in use at once lately.", [({}, buffers.get("bytes"))])  # fmt: skip
     metric("fragment_buffers_in_use", "gauge", "Fragment-sized buffers in use now.",
            [({}, buffers.get("in_use"))])  # fmt: skip
     metric("live_islands", "gauge", "Islands holding a live lease.",

@@ -77,7 +77,7 @@ def _render(st: dict, url: str) -> str:
         out.append(f"traffic since the coordinator started: {traffic_text(traffic)}")
     buffers = st.get("buffers")  # not from a coordinator before this field
     if buffers:
-        out.append(f"fragment buffers: {buffers['made']} ({_mb(buffers['bytes'])}; values, "
+        out.append(f"fragment buffers: {buffers['held']} ({_mb(buffers['bytes'])}; values, "
                    f"rows, merges), {buffers['in_use']} in use")  # fmt: skip
     islands = st["islands"]
     if islands:

@@ -595,13 +595,13 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
         assert merge() != v2, "a buffer a body still aliases must never be written"
         assert bytes(held) == raw
     del held  # sent: version 2's buffer goes back to the pool
-    made = coord.status()["buffers"]["made"]
+    made = coord.status()["buffers"]["held"]
     for _ in range(4):
         merge()
     # Steady state: the served values, a row, the outer-state copy and the next values
     # take turns in the same buffers (a fifth held version 2 while its body was out); only
     # the served values stay in use.
-    assert coord.status()["buffers"]["made"] == made == 5
+    assert coord.status()["buffers"]["held"] == made == 5
     assert coord.status()["buffers"]["in_use"] == 1
 
 
@@ -617,7 +617,7 @@ def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_con
     assert coord.poll(0).merge and coord.versions()[0] == 1
     again = make(tiny_config_path, tmp_path / "s", Clock(), **kw)  # resumed (durable merges)
     assert again.versions()[0] == 1
-    assert again.status()["buffers"]["made"] == 0, "loaded values are not the pool's to reuse"
+    assert again.status()["buffers"]["held"] == 0, "loaded values are not the pool's to reuse"
     version, held = again.download(0, 1, 0)  # a body of version 1, being sent, say
     assert version == 1
     raw, served = bytes(held), again.global_tensors()
@@ -1138,8 +1138,8 @@ def test_fragment_sized_buffers_are_shared_by_the_fragments(tiny_config_path, tm
         if step == 16:
             two_cycles = coord.status()["buffers"]
     assert coord.versions() == [3] * 8
-    made = {k: two_cycles[k] for k in ("made", "bytes")}
-    assert made["made"] == 18
+    made = {k: two_cycles[k] for k in ("held", "bytes")}
+    assert made["held"] == 18
     assert coord.status()["buffers"] == {**made, "in_use": 8}  # the third cycle made none
     # One island's half-sent contribution holds one row; dropped, it gives it back.
     frag = coord.plan.fragments[0]
@@ -1176,11 +1176,11 @@ def test_buffer_pool_reuses_its_buffers_by_size_class_and_refuses_misuse():
     assert all(n <= size_class(n) <= n * 9 / 8 for n in range(1, 5000))
     pool = BufferPool(largest=3000)
     a = pool.take(1000)
-    assert a.shape == (1000,) and pool.usage() == {"made": 1, "in_use": 1, "bytes": 4096}
+    assert a.shape == (1000,) and pool.usage() == {"held": 1, "in_use": 1, "bytes": 4096}
     b = pool.take(2000)
     pool.give(a)
     assert pool.take(1000).data_ptr() == a.data_ptr()  # the same pages, not new ones
-    assert pool.usage() == {"made": 2, "in_use": 2, "bytes": 4096 + 8192}
+    assert pool.usage() == {"held": 2, "in_use": 2, "bytes": 4096 + 8192}
     pool.give(b)
     assert pool.take(3000).data_ptr() != b.data_ptr()  # another class: a new buffer
     assert pool.take(1990).data_ptr() == b.data_ptr()  # its class: the free one
@@ -1195,3 +1195,21 @@ def test_buffer_pool_reuses_its_buffers_by_size_class_and_refuses_misuse():
         ValueError, match=r"a buffer of 3001 elements \(the largest fragment: 3000\)"
     ):
         pool.take_transient(3001)
+
+
+def test_buffer_pool_lets_go_of_buffers_idle_for_a_while():
+    # A burst (islands' final flushes hold a row per fragment) takes many buffers; the
+    # rounds after it reuse the last given back, and the rest go after idle_free_s.
+    now = [0.0]
+    pool = BufferPool(largest=1000, idle_free_s=60.0, clock=lambda: now[0])
+    burst = [pool.take_transient(1000) for _ in range(6)]
+    for b in burst:
+        pool.give(b)
+    assert pool.usage() == {"held": 6, "in_use": 0, "bytes": 6 * 4096}
+    for _ in range(10):  # rounds every 10 s: two buffers at once, the same two each time
+        now[0] += 10.0
+        a, b = pool.take_transient(1000), pool.take_transient(900)
+        pool.give(b)
+        pool.give(a)
+    assert pool.usage() == {"held": 2, "in_use": 0, "bytes": 2 * 4096}
+    assert {a.data_ptr(), b.data_ptr()} <= {x.data_ptr() for x in burst}  # reused, not new

@@ -90,7 +90,7 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
     )
     b = server.coord.status()["buffers"]  # both fragments' values, the rows given back
     assert b["in_use"] == 2 and lines[3] == (
-        f"fragment buffers: {b['made']} ({b['bytes'] / 1e6:,.1f} MB; values, rows, merges), "
+        f"fragment buffers: {b['held']} ({b['bytes'] / 1e6:,.1f} MB; values, rows, merges), "
         "2 in use"
     )
     row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
