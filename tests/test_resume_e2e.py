@@ -106,13 +106,19 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(
     assert min(merges) >= 1 and min(stopped.versions) >= 1, (merges, stopped.versions)
     assert all(5 <= s < STEPS for s in ckpt.values()), ckpt
 
-    # 2. --resume: the coordinator goes on from its versions, the islands from their checkpoints.
+    # 2. --resume: the coordinator goes on from its versions, the islands from their checkpoints
+    # (and the merged model is evaluated every 10 merges from there on, and at the end).
+    run_file.write_text(json.dumps({**json.loads(run_file.read_text()), "eval_every_merges": 10}))
     resumed = ds_diloco_run(run_file, "--resume")
     assert resumed.returncode == 0, logs(workdir, resumed.stdout + resumed.stderr)
     assert f"resuming at versions {stopped.versions} (merges {merges})" in resumed.stdout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from"] == {n: {"step": s} for n, s in ckpt.items()}
     assert all(m > m0 for m, m0 in zip(summary["merges"], merges)), (summary["merges"], merges)
+    evals = summary["global_evals"]
+    assert all(e["merges"] > sum(merges) for e in evals), (evals, merges)  # none made again
+    assert evals[-1]["merges"] == sum(summary["merges"]), (evals, summary["merges"])
+    assert evals[-1]["heldout_loss"] == pytest.approx(summary["heldout_loss_merged"], abs=1e-5)
     final = load_global(workdir / "state")
     assert all(v > v0 for v, v0 in zip(final.versions, stopped.versions))
     for name, step in ckpt.items():
