@@ -975,6 +975,9 @@ def _print_summary(s: dict) -> None:
         if "heldout_loss_merged" in s:
             line += f" -> merged {s['heldout_loss_merged']:.3f}"
         print(line)
+    if s.get("global_evals"):  # the merged model as the run went (eval_every_merges)
+        steps = ", ".join(f"{e['heldout_loss']:.3f} ({e['merges']})" for e in s["global_evals"])
+        print(f"merged model's held-out loss by merges: {steps}")
     if "export" in s:
         print(f"merged model: {s['export']} (AutoModelForCausalLM.from_pretrained loads it)")
     if s.get("sample") is not None:
