@@ -113,13 +113,13 @@ class FragmentState:
         optimizer,
         plain_patterns,
         norm_window,
-        version: int = 0,
-        pool: BufferPool | None = None,
+        version: int,
+        pool: BufferPool,
     ):
         self.fragment = fragment
         self.segments, self.rda = fragment_layout(fragment, plain_patterns)
         self.optimizer = optimizer
-        self.pool = pool or BufferPool(fragment.numel)
+        self.pool = pool  # the coordinator's, shared by its fragments
         self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = RWLock()
         self.assembling: dict[str, Contribution] = {}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ds_diloco.config import TOKEN_ENV, DataConfig
+from ds_diloco.config import DataConfig
 
 HELDOUT_BLOCKS = 64
 """Held-out blocks evaluated by default: the first of the seeded held-out split."""
@@ -67,7 +67,8 @@ def main(args) -> int:
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
     from ds_diloco.config import load_data_config
     from ds_diloco.export import is_url
-    from ds_diloco.status_view import token_from_file
+    from ds_diloco.live_model import next_due
+    from ds_diloco.status_view import resolve_token
 
     if args.every_merges is not None and args.every_merges < 1:
         raise ValueError(f"--every-merges must be >= 1, got {args.every_merges}")
@@ -75,10 +76,7 @@ def main(args) -> int:
         raise ValueError("--every-merges needs a running coordinator's URL, not a state dir")
     if args.count is not None and args.count < 1:
         raise ValueError(f"--count must be >= 1, got {args.count}")
-    token = args.token or token_from_file(args.token_file) or os.environ.get(TOKEN_ENV)
-    if is_url(args.source) and not token:
-        raise ValueError(f"no bearer token for {args.source}: pass --token or --token-file, "
-                         f"or set ${TOKEN_ENV}")  # fmt: skip
+    token = resolve_token(args, args.source) if is_url(args.source) else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     heldout = heldout_blocks(load_data_config(args.data), args.blocks)
     board = None
@@ -117,7 +115,7 @@ def main(args) -> int:
             if merges >= due:
                 record = evaluate()
                 done += 1
-                due = (record["merges"] // args.every_merges + 1) * args.every_merges
+                due = next_due(record["merges"], args.every_merges)
             if args.count is None or done < args.count:
                 time.sleep(args.poll_s)
         return 0

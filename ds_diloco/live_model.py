@@ -16,31 +16,34 @@ import time
 import torch
 
 
+def next_due(merges: int, every: int) -> int:
+    """The first multiple of ``every`` above ``merges``: when the next one is due."""
+    return (merges // every + 1) * every
+
+
 class EveryMerges:
     """Calls ``work(merges)`` in a background thread each time the coordinator's merges,
     summed over fragments, reach the next multiple of ``every`` (0: never), one at a time."""
 
     def __init__(self, every: int):
         self.every = every
-        self.next = every
         self.last = 0  # merges when the last one started
         self.thread: threading.Thread | None = None
 
     def maybe(self, status: dict | None) -> None:
-        if not self.every or status is None or sum(status["merges"]) < self.next:
+        if not self.every or status is None:
+            return
+        if sum(status["merges"]) < next_due(self.last, self.every):
             return
         if self.thread is not None and self.thread.is_alive():
             return  # the previous one is still at work: catch up at the next print
         merges = self.last = sum(status["merges"])
-        self.next = (merges // self.every + 1) * self.every
         self.thread = threading.Thread(target=self.work, args=(merges,), daemon=True)
         self.thread.start()
 
     def resume_at(self, merges: int) -> None:
         """The next call after ``merges`` made already (a resumed run)."""
         self.last = merges
-        if self.every:
-            self.next = (merges // self.every + 1) * self.every
 
     def finish(self, status: dict | None) -> None:
         """Once the islands are done: wait for the one at work, then call ``work`` once

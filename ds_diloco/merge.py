@@ -7,8 +7,8 @@ separately so that the merged norm does not shrink like 1/sqrt(M) when M nearly
 orthogonal pseudo-gradients are merged.
 
 ``merge_fragment`` is the fast path: one pass over the K contributions' rows per
-tensor, a weighted sum a cache-sized chunk at a time. ``merge_reference`` is the slow, obviously
-correct oracle the tests compare it with.
+tensor, a weighted sum a cache-sized chunk at a time. ``merge_reference`` is the slow,
+obviously correct oracle the tests compare it with.
 """
 
 from __future__ import annotations

@@ -118,7 +118,18 @@ def _int_key(item) -> int:
     return int(item[0])
 
 
-def token_from_file(path: str | None) -> str | None:
+def resolve_token(args, url: str) -> str:
+    """The bearer token for ``url`` from ``--token``, ``--token-file`` or $DS_DILOCO_TOKEN."""
+    import os
+
+    token = args.token or _token_file(args.token_file) or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ValueError(f"no bearer token for {url}: pass --token or --token-file, "
+                         f"or set ${TOKEN_ENV}")  # fmt: skip
+    return token
+
+
+def _token_file(path: str | None) -> str | None:
     """The token in ``path`` (a run's or a standalone coordinator's ``state_dir/token``)."""
     if path is None:
         return None
@@ -134,14 +145,9 @@ def token_from_file(path: str | None) -> str | None:
 def main(args) -> int:
     """``ds-diloco status``: print the view (or the JSON) once, or every ``--watch`` seconds
     (an unanswered poll is a line, and the watch goes on)."""
-    import os
-
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
 
-    token = args.token or token_from_file(args.token_file) or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise ValueError(f"no bearer token for {args.url}: pass --token or --token-file, "
-                         f"or set ${TOKEN_ENV}")  # fmt: skip
+    token = resolve_token(args, args.url)
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     client = CoordinatorClient(args.url, token, retries=1, timeout_s=10, ca_file=args.ca_file)

@@ -2,8 +2,8 @@
 
 (a) Outer step: the work ``Coordinator._merge`` does for one round, with the same
 functions and the same memory layout: ``merge.merge_fragment`` over K separate
-(F,) fp32 rows (the coordinator's ``BufferPool`` buffers), squared norms precomputed per segment
-(the coordinator computes them at ingest), into a preallocated gradient, then
+(F,) fp32 rows (the coordinator's ``BufferPool`` buffers), squared norms precomputed
+per segment (the coordinator computes them at ingest), into a preallocated gradient, then
 ``NesterovSGD.step``. Counted bytes: (K + 2) x F x 4 (K contributions, the
 global values, the momentum buffer). Baseline: ``dst.copy_(src)`` of as many
 bytes, both tensors preallocated.
@@ -33,9 +33,10 @@ for the cores.
 (d) Coordinator memory: a coordinator in its own process, the model of (a) cut into
 P = 8 fragments, M = 4 islands of one rank syncing them in turn, all in every round
 (K = M), 2P rounds. Reported: how much its RSS grew from before the coordinator was
-made (after building the model once: the imports), against what it must hold: the global values and the outer momentum (twice the
-model) and M + 3 buffers of the largest fragment (a row per island, a merge's output,
-its new values, the outer-state copy). Rows kept per fragment (before the shared
+made (after building the model once: the imports), against what it must hold: the
+global values and the outer momentum (twice the model) and M + 3 buffers of the
+largest fragment (a row per island, a merge's output, its new values, the outer-state
+copy). Rows kept per fragment (before the shared
 ``BufferPool``) were M + 2 more copies of the whole model.
 
 The machine is noisy: measured and baseline repetitions are interleaved, in an
