@@ -2,8 +2,9 @@
 
 A rank owns a flat slice of every parameter (ZeRO-3's layout; the whole tensor
 when the world size is 1). For each fragment it keeps the last global value of
-its own slices (fp32: one extra copy of its shard), and when the fragment is
-due it sends ``base - local`` with the fragment's counters. The pseudo-gradient
+its own slices (fp32: one extra copy of its shard; its frozen slices, which
+nothing trains, need none), and when the fragment is due it sends ``base - local``
+with the fragment's counters. The pseudo-gradient
 is computed in place in the base and sent from there: no buffer of its own. The
 base then holds the upload until a download writes it again: the fragment's
 merged result, or (the upload failed, was dropped or its result was lost) the
@@ -36,6 +37,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -70,6 +72,35 @@ def _answers(client: CoordinatorClient) -> bool:
         return True
     except Exception:
         return False
+
+
+class _Dest(Mapping):
+    """Where a download of a slot's fragment is read to: the base for trained slices; for
+    a frozen one that comes, a buffer of ``slot.incoming``, made when the body reaches it
+    (a slice left out as unchanged takes no memory)."""
+
+    def __init__(self, slot: _Slot, sizes: list[tuple[str, int]]) -> None:
+        self.slot, self.sizes = slot, dict(sizes)  # in wire order
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        slot = self.slot
+        if name in slot.base:
+            return slot.base[name]
+        if name not in slot.incoming:
+            slot.incoming[name] = torch.empty(self.sizes[name], dtype=torch.float32)
+        return slot.incoming[name]
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def _received(slot: _Slot) -> dict[str, torch.Tensor]:
+    """The values of ``slot.version`` the rank holds: its trained slices, and the frozen
+    ones that came with the download."""
+    return {**slot.base, **slot.incoming} if slot.incoming else slot.base
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -151,15 +182,21 @@ class ModelShardAccess:
 class _Slot:
     """What this rank knows about one fragment.
 
-    ``base`` holds the global values of the rank's slices (views of one buffer for
-    the whole shard). A downloaded version is written straight into it, so a new
-    global fragment costs no memory beyond the base: ``version`` is what ``base``
-    holds, ``applied`` what the local values started from. ``version > applied``:
-    a new version has arrived and waits for its step; ``version == -1``: ``base``
-    was torn by a bad download and must be fetched again.
+    ``base`` holds the global values of the rank's trained slices (views of one
+    buffer for the whole shard). A downloaded version is written straight into it, so
+    a new global fragment costs no memory beyond the base: ``version`` is what
+    ``base`` holds, ``applied`` what the local values started from. ``version >
+    applied``: a new version has arrived and waits for its step; ``version == -1``:
+    ``base`` was torn by a bad download and must be fetched again.
+
+    Frozen slices have no base: their local values are the global ones of ``applied``
+    (nothing trains them). ``incoming`` holds those of ``version`` that came with its
+    download (another island trains them, or a whole download), until applied; one
+    that did not come is unchanged since ``applied``.
     """
 
     base: dict[str, torch.Tensor]
+    incoming: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     version: int = -1
     applied: int = -1
     tokens: int = 0
@@ -224,6 +261,7 @@ class SyncStats:
     flush_unsettled: int = 0  # uploads still without a result when the flush gave up
     flush_s: float = 0.0  # time in the final flush (waiting for results included)
     transport_cpu_s: float = 0.0  # CPU time of the upload and download threads (at close)
+    base_bytes: int = 0  # host memory of the base copy: the rank's trained slices in fp32
 
 
 class FragmentSyncer:
@@ -269,13 +307,19 @@ class FragmentSyncer:
         # residual: bfloat16), allocated as fragments are sent.
         lossy = codec is not None and codec.name != "none"
         self.feedback = compress.ErrorFeedback(codec, seed=rank) if lossy else None
-        self.slots = [_Slot(base) for base in self._base_views()]
-        # Per fragment, the slices this rank does not train: the base holds their global
-        # values (an upload leaves them out), so a download may leave out unchanged ones.
+        # Per fragment, the slices this rank does not train: their local values are the
+        # global ones it applied last (an upload leaves them out), so they take no base
+        # memory and a download may leave out unchanged ones.
         self._frozen = [
             frozenset(n for n in f.names if not access.trains(n)) for f in plan.fragments
         ]
+        # Per fragment, (name, numel) of this rank's slices, in wire order.
+        self._sizes = [
+            [(p.name, shard_numel(p.numel, world_size, rank)) for p in f.params]
+            for f in plan.fragments
+        ]
         self.stats = SyncStats()
+        self.slots = [_Slot(base) for base in self._base_views()]
         self._lock = threading.Lock()  # slot state (not base memory: that is slot.lock)
         # Fragments waiting to be sent, oldest first, and the payload of each. At most one
         # per fragment: its base holds the pseudo-gradient until the body is sent, and the
@@ -319,12 +363,14 @@ class FragmentSyncer:
         ]
 
     def _base_views(self) -> list[dict[str, torch.Tensor]]:
-        """One fp32 buffer for all of this rank's slices; per fragment, views in wire order."""
+        """One fp32 buffer for all of this rank's trained slices; per fragment, views in
+        wire order (frozen slices have none: see ``_Slot``)."""
         sizes = [
-            [(p.name, shard_numel(p.numel, self.world_size, self.rank)) for p in f.params]
-            for f in self.plan.fragments
+            [(name, n) for name, n in frag if name not in frozen]
+            for frag, frozen in zip(self._sizes, self._frozen)
         ]
         flat = torch.empty(sum(n for frag in sizes for _, n in frag), dtype=torch.float32)
+        self.stats.base_bytes = flat.numel() * flat.element_size()
         views, offset = [], 0
         for frag in sizes:
             views.append({})
@@ -336,7 +382,7 @@ class FragmentSyncer:
     # ----------------------------------------------------------- training side
     def bootstrap(self, attempts: int = 20) -> list[int]:
         """Take the global model (:meth:`take_global`), then start the network thread."""
-        largest = max((sum(t.numel() for t in s.base.values()) for s in self.slots), default=0)
+        largest = max((sum(n for _, n in frag) for frag in self._sizes), default=0)
         self._prefetch.start(self._shard_device(), largest)
         versions = self.take_global(attempts)
         self._train_thread = threading.get_ident()
@@ -683,8 +729,10 @@ class FragmentSyncer:
         blend = blend and not back
         keep = blend and slot.sent_values is not None
         pre = self._prefetch.take(frag.index, slot.version)
-        values = slot.base if pre is None else pre.values
+        values = _received(slot) if pre is None else pre.values
         for name in frag.names:
+            if name not in values:  # frozen, unchanged since the version applied last
+                continue
             new = values[name]
             trains = self.access.trains(name)  # frozen: nothing trained here to keep or blend
             if keep and trains:  # global + what this rank trained since its upload (not merged)
@@ -704,6 +752,7 @@ class FragmentSyncer:
             slot.followed_t = slot.opened_t if blend and not slot.in_flight else None
             slot.applied, slot.sent_values, slot.sent_counts = slot.version, None, (0, 0)
             slot.sent_step, slot.in_flight = None, False
+            slot.incoming = {}  # written: the local values hold them now
         self.stats.applied += 1
 
     def _flush(self) -> None:
@@ -726,15 +775,17 @@ class FragmentSyncer:
             info: dict = {}
             try:
                 version = (client or self.client).download_into(
-                    frag.index, self.world_size, self.rank, slot.base, after=after,
-                    island=self.island, info=info, keep=self._frozen[frag.index],
+                    frag.index, self.world_size, self.rank, _Dest(slot, self._sizes[frag.index]),
+                    after=after, island=self.island, info=info, keep=self._frozen[frag.index],
                     epoch=slot.epoch if after == slot.version else "",
                 )  # fmt: skip
                 problem = None
                 if version is not None:  # (the ones left out were checked when they came)
                     left_out = set(info.get("unchanged", ()))
                     bad = [
-                        n for n, t in slot.base.items() if n not in left_out and not _all_finite(t)
+                        n
+                        for n, t in _received(slot).items()
+                        if n not in left_out and not _all_finite(t)
                     ]
                     problem = f"{bad[0]}: NaN or Inf" if bad else None
             except (RefusedError, wire.WireError) as e:
@@ -756,7 +807,7 @@ class FragmentSyncer:
             else:
                 torn = problem is not None
             if version is not None and not torn:
-                self._prefetch.copy(frag.index, slot.base, version)
+                self._prefetch.copy(frag.index, _received(slot), version)
             if problem is not None:  # never applied: the base is fetched again whole
                 self._fetch_error = f"bad answer for fragment {frag.index}: {problem}"
                 self.stats.bad_responses += 1
@@ -770,7 +821,7 @@ class FragmentSyncer:
             with self._lock:
                 if torn:
                     slot.version, slot.holds_upload = -1, False
-                    slot.epoch = ""
+                    slot.epoch, slot.incoming = "", {}  # fetched again whole
                 elif version is not None:
                     slot.version, slot.refetch, slot.holds_upload = version, False, False
                     slot.epoch = info.get("epoch", "")

@@ -27,6 +27,7 @@ from ds_diloco.config import load_island_config, load_run_config
 from ds_diloco.convert import SMOLLM2_INSTALL
 from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
 from ds_diloco.hf_model import lm_loss
+from ds_diloco.sharding import shard_numel
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILE = REPO / "launch" / "finetune-smollm2.yaml"
@@ -137,6 +138,11 @@ def test_two_islands_fine_tune_smollm2_and_the_export_generates(tmp_path, smollm
     merged = AutoModelForCausalLM.from_pretrained(s["export"], dtype=torch.float32)
     before, after = dict(model.named_parameters()), dict(merged.named_parameters())
     name = "model.embed_tokens.weight"
+    # A rank's copy of the global values holds its trained slices alone, not the embeddings.
+    for i in s["islands"].values():
+        trained = sum(shard_numel(p.numel(), i["world_size"], i["rank"])
+                      for n, p in before.items() if n != name)  # fmt: skip
+        assert i["stats"]["base_bytes"] == 4 * trained, (i["stats"]["base_bytes"], trained)
     assert torch.equal(after[name], before[name])
     assert not torch.equal(after["model.layers.0.mlp.up_proj.weight"],
                            before["model.layers.0.mlp.up_proj.weight"])  # fmt: skip

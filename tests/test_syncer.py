@@ -147,11 +147,18 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         params = dict(model.named_parameters())
         params[frozen].requires_grad_(False)
         s = FragmentSyncer(client, "isl", plan, schedule, ModelShardAccess(model))
+        # Its local values are the global ones: no base copy of it is kept.
+        trained = sum(p.numel() for n, p in params.items() if n != frozen)
+        assert sum(t.numel() for slot in s.slots for t in slot.base.values()) == trained
+        assert frozen not in s.slots[0].base
         s.bootstrap()
         glob = srv.coord.global_tensors()
-        with torch.no_grad():  # an inner step: the trained parameters move by -0.01; the
-            for p in params.values():  # frozen one is moved too: no step of its, never sent
-                p.sub_(0.01 if p.requires_grad else -5.0)
+        assert torch.equal(params[frozen].detach(), glob[frozen])  # taken with the rest
+        assert all(not slot.incoming for slot in s.slots)  # and its download buffer let go
+        with torch.no_grad():  # an inner step: the trained parameters move by -0.01
+            for p in params.values():
+                if p.requires_grad:
+                    p.sub_(0.01)
         s.on_step(1, tokens=64)
         wait_for(lambda: srv.coord.versions()[0] == 1)
         got = srv.coord.global_tensors()
@@ -162,9 +169,10 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         step = 0.7 * (0.01 + 0.9 * 0.01)  # outer Nesterov's first step, g = +0.01
         assert all(torch.allclose(got[n], glob[n] - step, atol=1e-6) for n in names[1:])
         wait_for(lambda: s.slots[0].arrived)
-        assert s.stats.unchanged == 1  # unchanged since v0: not downloaded, in the base
+        assert s.stats.unchanged == 1  # unchanged since v0: not downloaded, nor held
+        assert not s.slots[0].incoming
         assert s.on_step(2, tokens=64) == [0]
-        assert torch.equal(params[frozen].detach(), glob[frozen])  # the global value, written
+        assert torch.equal(params[frozen].detach(), glob[frozen])  # still the global value
         s.close()
         check_apply_path([s], send_path)
 
@@ -195,6 +203,7 @@ def test_a_parameter_frozen_on_one_island_and_trained_on_another_is_downloaded(
         assert srv.coord.versions()[0] == 1 and not torch.equal(merged, start)  # b moved it
         assert torch.equal(dict(models[0].named_parameters())[frozen].detach(), merged)
         assert a.stats.unchanged == 0 and a.stats.applied >= 1
+        assert frozen not in a.slots[0].base and not a.slots[0].incoming  # came, written, let go
         for s in (a, b):
             s.close()
 
