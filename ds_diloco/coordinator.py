@@ -447,6 +447,23 @@ class Coordinator:
                     fs.give_row(c.row)
                     self._count_dropped(fs, c)
 
+    def _drop_abandoned(self, fs: FragmentState, now: float) -> None:
+        """Drop the partial contributions of islands that lost their lease (``_lock``
+        held): the ranks still missing went with it. Each holds a fragment-sized row,
+        which was held until the island registered again, for good if it never did."""
+        for name, c in list(fs.assembling.items()):
+            isl = self._islands.get(name)
+            if isl is not None and self._holds_lease(isl, now):
+                continue
+            del fs.assembling[name]
+            fs.give_row(c.row)
+            self._count_dropped(fs, c)
+            log.warning(
+                "fragment %d: dropped island %s's upload of step %d, ranks %s of %d in: the "
+                "island lost its lease (nothing heard for %.0f s)", fs.fragment.index, name,
+                c.step, sorted(c.ranks), c.world_size, self.cfg.island_timeout_s,
+            )  # fmt: skip
+
     def _count_dropped(self, fs: FragmentState, c: Contribution) -> None:
         isl = self._islands.get(c.island)
         if isl is not None:
@@ -1118,6 +1135,8 @@ class Coordinator:
             now = self.clock()
             due, wake = [], None
             for i, fs in enumerate(self._frags):
+                if fs.assembling:
+                    self._drop_abandoned(fs, now)
                 if not fs.complete:  # no contribution yet: nothing to merge or wait for
                     continue
                 d = self._decide(i, now)

@@ -162,6 +162,36 @@ def test_dead_island_stops_holding_the_quorum(tiny_config_path, tmp_path):
     assert coord.status()["islands"]["c"]["live"] is False
 
 
+def test_a_dead_islands_half_sent_upload_is_dropped_and_its_row_given_back(
+    tiny_config_path, tmp_path
+):
+    # Rank 0 of two sent its slices, then the island died: once its lease is over, the
+    # round loop's next look drops the half contribution (the row it held goes back).
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=1, tau=1), island_timeout_s=10.0,
+    )  # fmt: skip
+    coord.register("a", 2, coord.plan.signature)
+    in_use = coord.status()["buffers"]["in_use"]
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    h = wire.UploadHeader(island="a", rank=0, world_size=2, fragment=0, base_version=0,
+                          step=2, tokens=10, steps=2)  # fmt: skip
+    assert not coord.upload(wire.encode_upload(h, rank_slices(frag, full, 2, 0)))["complete"]
+    assert coord.status()["buffers"]["in_use"] == in_use + 1
+    clock.now += 9.0  # within the lease: the other rank may still come
+    assert coord.schedule() == ([], None)
+    assert coord.status()["pending"]["0"]["assembling"] == {"a": [0]}
+    clock.now += 1.5
+    assert coord.schedule() == ([], None)
+    status = coord.status()
+    assert status["buffers"]["in_use"] == in_use
+    assert status["pending"] == {}
+    assert status["islands"]["a"]["dropped"] == 1
+    assert coord.versions() == [0, 0]
+
+
 def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(
