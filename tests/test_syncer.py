@@ -607,8 +607,13 @@ class _CorruptingProxy:
         self.server.shutdown()
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize("how", ["nan", "header", "truncate"])
-def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, tmp_path, how):
+def test_a_bad_download_is_never_applied_and_is_fetched_again(
+    tiny_config_path, tmp_path, how, frozen
+):
+    # frozen: a slice of fragment 0 is frozen here. The spoiled download leaves it out
+    # (unchanged); the whole one after brings it into a buffer of its own, applied, let go.
     cfg = coordinator_config(tmp_path, tiny_config_path, sync_every=2)
     with ServerThread(cfg) as srv:
         proxy = _CorruptingProxy(srv.url, how)
@@ -616,6 +621,8 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, 
         model = model_from(tiny_config_path, seed=0)
         info = client.register("isl", 1, srv.coord.plan.signature)
         plan = FragmentPlan.from_json(info["plan"])
+        if frozen:
+            dict(model.named_parameters())[plan.fragments[0].names[0]].requires_grad_(False)
         s = FragmentSyncer(
             client, "isl", plan, Schedule(**info["schedule"]), ModelShardAccess(model),
             poll_s=0.01,
@@ -623,7 +630,8 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, 
         s.bootstrap()
         with torch.no_grad():
             for p in model.parameters():
-                p.sub_(0.01)
+                if p.requires_grad:
+                    p.sub_(0.01)
         s.on_step(1, tokens=64)  # fragment 0 sent; its merged result comes back spoiled first
         wait_for(lambda: srv.coord.versions()[0] == 1)
         # A NaN or a malformed body is a bad answer; a body cut short, a failed download
@@ -644,6 +652,7 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(tiny_config_path, 
         params = dict(model.named_parameters())
         for n in plan.fragments[0].names:  # exactly the coordinator's values, no torn bytes
             assert torch.equal(params[n].detach(), merged[n]), n
+        assert not s.slots[0].incoming
         s.close(timeout=5)
         proxy.close()
 
