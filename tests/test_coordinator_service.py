@@ -604,6 +604,22 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     assert reply["status"] == "accepted" and reply["complete"] is True
 
 
+def test_a_download_is_written_in_slices_that_alias_the_served_values():
+    # A part written whole was copied whole into the connection's buffer by asyncio when
+    # the socket did not take it at once: a copy of each tensor slice per slow download.
+    import numpy as np
+
+    from ds_diloco.server import _coalesce
+
+    big = np.arange(5 * 2**20 // 4 + 3, dtype=np.float32)  # 5 MiB and 12 bytes
+    body = wire.encode_parts({"big": torch.from_numpy(big), "small": torch.ones(3)}, {})
+    out = list(_coalesce(body.parts, most=2**20))
+    assert b"".join(bytes(x) for x in out) == bytes(body)
+    assert max(len(x) for x in out) <= 2**20
+    data = [x for x in out if len(x) == 2**20]
+    assert len(data) == 5 and all(np.shares_memory(np.asarray(x), big) for x in data)
+
+
 def test_upload_buffers_are_kept_for_reuse_within_bounds():
     from ds_diloco.server import _Buffers
 
