@@ -150,12 +150,16 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         )
     )
     assert mem[-1].shard_fp32_mb == rows[-1].shard_fp32_mb
+    # Nothing is frozen: the base copy is the whole shard in fp32, rank by rank.
+    for m in mem:
+        assert m.base_copy_mb == pytest.approx(m.shard_fp32_mb, abs=0.01), m
     for m in mem:
         assert math.isfinite(m.extra_mb()) and m.met == (m.extra_mb() <= m.shard_fp32_mb)
 
     report = format_report(bench, cfg)
     assert report.count("ratio") >= 3 and "coordinator process" in report
     assert "MALLOC_MMAP_THRESHOLD_=131072" in report and "extra before the first step" in report
+    assert f"the base copy {mem[0].base_copy_mb:.1f} MB" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
     assert "paired (1 ds_diloco launch(es)" in report
     assert summary["paired"]["ratio"] == pr["ratio"]

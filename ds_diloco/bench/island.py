@@ -453,6 +453,8 @@ class MemoryRow:
     plain: MemorySide
     ds_diloco: MemorySide
     shard_fp32_mb: float
+    base_copy_mb: float = 0.0
+    """The syncer's base copy (``SyncStats.base_bytes``): the shard's trained slices in fp32."""
 
     @property
     def name(self) -> str:
@@ -471,6 +473,7 @@ class MemoryRow:
             "plain": dataclasses.asdict(self.plain),
             "ds_diloco": dataclasses.asdict(self.ds_diloco),
             "shard_fp32_mb": self.shard_fp32_mb,
+            "base_copy_mb": self.base_copy_mb,
             "extra_mb": self.extra_mb(),
             "setup_extra_mb": self.extra_mb("setup_rss_mb"),
             "step_extra_mb": self.extra_mb("step_rss_mb"),
@@ -537,12 +540,14 @@ class IslandBench:
             return []
         first = self.memory_of("ds_diloco")[0].ranks
         shard = [r["shard_fp32_mb"] for r in first]
+        base = [(r.get("stats") or {}).get("base_bytes", 0) / 2**20 for r in first]
         return [
             MemoryRow(
                 rank=r,
                 plain=self._memory_side("plain", r),
                 ds_diloco=self._memory_side("ds_diloco", r),
                 shard_fp32_mb=sum(shard) if r < 0 else shard[r],
+                base_copy_mb=sum(base) if r < 0 else base[r],
             )
             for r in [*range(self.world_size), -1]
         ]
@@ -724,7 +729,8 @@ def _memory_lines(bench: IslandBench, rows: list[Row]) -> list[str]:
                 f"{m.ds_diloco.peak_rss_mb:.1f} MB  extra {m.extra_mb():+.1f} MB  vs shard fp32 "
                 f"{m.shard_fp32_mb:.1f} MB  ({'met' if m.met else 'MISSED'}); extra before "
                 f"the first step {m.extra_mb('setup_rss_mb'):+.1f} MB, after a step "
-                f"{m.extra_mb('step_rss_mb'):+.1f} MB"
+                f"{m.extra_mb('step_rss_mb'):+.1f} MB; of the peak's, the base copy "
+                f"{m.base_copy_mb:.1f} MB and the rest {m.extra_mb() - m.base_copy_mb:+.1f} MB"
             )
         lines.append(
             "  with the default allocator (the timed launches; no verdict: see the spread):"
