@@ -677,6 +677,13 @@ class FragmentSyncer:
         # this step (a download only writes a slot that waits for a result).
         t0 = time.perf_counter()
         with slot.lock, torch.no_grad():
+            thawed = [n for n in self._frozen[frag.index] if self.access.trains(n)]
+            if thawed:  # no base copy of it: its pseudo-gradient cannot be computed
+                raise RuntimeError(
+                    f"{self.island}/{self.rank}: {thawed[0]} was frozen when the syncer was "
+                    "built and trains now: the parameters that train are fixed at the start "
+                    "(ZeRO-3 gives a frozen parameter no fp32 master either)"
+                )
             local = {n: self.access.read(n) for n in frag.names if self.access.trains(n)}
             # Frozen: it does not train, its pseudo-gradient is 0, left out of the body.
             zeros = ",".join(n for n in frag.names if n not in local)

@@ -173,6 +173,9 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         assert not s.slots[0].incoming
         assert s.on_step(2, tokens=64) == [0]
         assert torch.equal(params[frozen].detach(), glob[frozen])  # still the global value
+        params[frozen].requires_grad_(True)  # thawed mid-run: said at its fragment's send
+        with pytest.raises(RuntimeError, match=f"{frozen} was frozen when the syncer"):
+            s.on_step(3, tokens=64)
         s.close()
         check_apply_path([s], send_path)
 
