@@ -422,22 +422,26 @@ class FragmentSyncer:
         todo = list(self.plan.fragments)
         deadline, self._fetch_error = time.monotonic() + timeout_s, ""
         for _ in range(attempts):
+            # A fragment at a time, agreed and applied before the next is fetched: its
+            # frozen slices come into buffers of their own, let go at the apply, so at most
+            # one fragment's are held (all of them at once were a whole shard's worth).
+            retry, over = [], 0
             for f in todo:  # each download retries a while: one past the deadline is not begun
+                slot = self.slots[f.index]
                 if time.monotonic() < deadline:
-                    self._fetch(f, self.slots[f.index], after=None, client=client)
-            over = int(time.monotonic() >= deadline)
-            lows, highs, _ = self._agree([self.slots[f.index].version for f in todo] + [over])
-            retry = []
-            for f, lo, hi in zip(todo, lows, highs):
-                if lo == hi >= 0:
-                    self._apply(f, self.slots[f.index], blend=False)
+                    self._fetch(f, slot, after=None, client=client)
+                lows, highs, _ = self._agree([slot.version, int(time.monotonic() >= deadline)])
+                over |= highs[1]  # the same on every rank
+                if lows[0] == highs[0] >= 0:
+                    self._apply(f, slot, blend=False)
                 else:
+                    slot.incoming = {}  # fetched again whole
                     retry.append(f)
             self._flush()
             if not retry:
                 return self.versions()
             todo = retry
-            if highs[-1]:
+            if over:
                 break
             time.sleep(self.poll_s)
         frags = [f.index for f in todo]

@@ -180,6 +180,42 @@ def test_a_frozen_parameter_sends_a_zero_pseudo_gradient_and_takes_the_global_va
         check_apply_path([s], send_path)
 
 
+def test_taking_the_global_model_holds_one_fragments_frozen_slices_at_a_time(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # Frozen slices have no base copy: a whole download brings them into buffers of their
+    # own until the apply. Fragment by fragment, not all at once (a whole shard's worth).
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, num_fragments=4)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=3)
+        info = client.register("isl", 1, srv.coord.plan.signature)
+        plan = FragmentPlan.from_json(info["plan"])
+        params = dict(model.named_parameters())
+        frozen = [f.names[0] for f in plan.fragments]  # one in every fragment
+        for n in frozen:
+            params[n].requires_grad_(False)
+        s = FragmentSyncer(client, "isl", plan, Schedule(**info["schedule"]),
+                           ModelShardAccess(model))  # fmt: skip
+        held, getitem = [], syncer_mod._Dest.__getitem__
+
+        def counting(dest, name):
+            out = getitem(dest, name)
+            held.append(sum(t.numel() for x in s.slots for t in x.incoming.values()))
+            return out
+
+        monkeypatch.setattr(syncer_mod._Dest, "__getitem__", counting)
+        s.bootstrap()
+        glob = srv.coord.global_tensors()
+        assert all(torch.equal(params[n].detach(), glob[n]) for n in frozen)
+        assert (
+            max(held)
+            == max(params[n].numel() for n in frozen)
+            < sum(params[n].numel() for n in frozen)
+        )
+        assert all(not x.incoming for x in s.slots)
+        s.close()
+
+
 def test_a_parameter_frozen_on_one_island_and_trained_on_another_is_downloaded(
     tiny_config_path, tmp_path
 ):
@@ -1226,16 +1262,24 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=3)  # not the global values
         (s,) = island_syncers(srv, client, "isl", model, 1)
-        s.bootstrap()  # fetches all 4 fragments, then applies them: 2 from the device copies
-        assert (s.stats.applied, s.stats.prefetched) == (4, 2)
-        assert s._prefetch.buffers == device_copies.PREFETCH_BUFFERS == len(s._prefetch.free) == 2
+        s.bootstrap()  # fetches and applies one fragment at a time: each from its copy
+        assert (s.stats.applied, s.stats.prefetched) == (4, 4)
+        assert s._prefetch.buffers == len(s._prefetch.free) == 1
+        # Three merged fragments waiting at once: the third is not copied (it is applied
+        # from the host copy), the buffers stay at PREFETCH_BUFFERS.
+        for slot, frag in zip(s.slots[:3], s.plan.fragments):
+            s._prefetch.copy(frag.index, syncer_mod._received(slot), slot.version)
+        assert sorted(s._prefetch.held) == [0, 1] and device_copies.PREFETCH_BUFFERS == 2
+        assert s._prefetch.buffers == 2 and not s._prefetch.free
+        for i in (0, 1):
+            s._prefetch.drop(i)
         glob = srv.coord.global_tensors()
         params = dict(model.named_parameters())
         assert all(torch.equal(p.detach(), glob[n]) for n, p in params.items())
         # A send every step (P = H = 4), its result applied the next (tau = 1): one copy
         # waits at a time, and every apply reads it.
         train(s, range(1, 9))
-        assert s.stats.applied == 4 + 7 and s.stats.prefetched == 2 + 7
+        assert s.stats.applied == s.stats.prefetched == 4 + 7
         wait_for(lambda: srv.coord.versions() == [2, 2, 2, 2])
         assert s.versions() == [2, 2, 2, 1]  # the last send's result comes after step 8
         glob = srv.coord.global_tensors()
