@@ -79,8 +79,8 @@ class _Dest(Mapping):
     a frozen one that comes, a buffer of ``slot.incoming``, made when the body reaches it
     (a slice left out as unchanged takes no memory)."""
 
-    def __init__(self, slot: _Slot, sizes: list[tuple[str, int]]) -> None:
-        self.slot, self.sizes = slot, dict(sizes)  # in wire order
+    def __init__(self, slot: _Slot, sizes: dict[str, int]) -> None:
+        self.slot, self.sizes = slot, sizes  # in wire order
 
     def __getitem__(self, name: str) -> torch.Tensor:
         slot = self.slot
@@ -313,9 +313,9 @@ class FragmentSyncer:
         self._frozen = [
             frozenset(n for n in f.names if not access.trains(n)) for f in plan.fragments
         ]
-        # Per fragment, (name, numel) of this rank's slices, in wire order.
+        # Per fragment, name -> numel of this rank's slices, in wire order.
         self._sizes = [
-            [(p.name, shard_numel(p.numel, world_size, rank)) for p in f.params]
+            {p.name: shard_numel(p.numel, world_size, rank) for p in f.params}
             for f in plan.fragments
         ]
         self.stats = SyncStats()
@@ -366,7 +366,7 @@ class FragmentSyncer:
         """One fp32 buffer for all of this rank's trained slices; per fragment, views in
         wire order (frozen slices have none: see ``_Slot``)."""
         sizes = [
-            [(name, n) for name, n in frag if name not in frozen]
+            [(name, n) for name, n in frag.items() if name not in frozen]
             for frag, frozen in zip(self._sizes, self._frozen)
         ]
         flat = torch.empty(sum(n for frag in sizes for _, n in frag), dtype=torch.float32)
@@ -382,7 +382,7 @@ class FragmentSyncer:
     # ----------------------------------------------------------- training side
     def bootstrap(self, attempts: int = 20) -> list[int]:
         """Take the global model (:meth:`take_global`), then start the network thread."""
-        largest = max((sum(n for _, n in frag) for frag in self._sizes), default=0)
+        largest = max((sum(frag.values()) for frag in self._sizes), default=0)
         self._prefetch.start(self._shard_device(), largest)
         versions = self.take_global(attempts)
         self._train_thread = threading.get_ident()
