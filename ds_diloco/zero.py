@@ -203,7 +203,7 @@ class ZeroShardAccess:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.params = dict(engine.module.named_parameters())
-        self._dirty = False
+        self._written: set[str] = set()  # since the last flush
 
     def numel(self, name: str) -> int:
         return shard_numel(self.params[name].ds_numel, self.world_size, self.rank)
@@ -227,7 +227,7 @@ class ZeroShardAccess:
             raise ValueError(f"{name}: {values.numel()} values for a slice of {n}")
         if not p.requires_grad:  # frozen: the compute partition is its only copy
             p.ds_tensor.view(-1)[:n].copy_(values.to(p.ds_tensor.device))
-            self._dirty = True
+            self._written.add(name)
             return
         master = self._get(p)
         # One copy to the master's device (the base copy is host memory); the compute
@@ -236,16 +236,21 @@ class ZeroShardAccess:
         master[:n].copy_(values)  # a live view: the padding tail keeps its contents
         self._set(p, master)
         p.ds_tensor.view(-1)[:n].copy_(values)
-        self._dirty = True
+        self._written.add(name)
 
     def flush(self) -> None:
         """Drop cached gathered parameters so that the next forward uses the new values."""
-        if self._dirty:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        written, self._written = self._written, set()
+        # A written parameter not gathered now (nor on its way) is gathered from its new
+        # partition when next used. After a training step ZeRO-3 has released them all
+        # (unless persistent), and releasing every parameter again cost 0.5-1.6 ms a step.
+        if any(self.params[n].ds_status != ZeroParamStatus.NOT_AVAILABLE for n in written):
             # The ZeRO-3 optimizer's own method: releases and re-partitions every gathered
             # parameter. engine.empty_partition_cache() does the same plus gc.collect(),
             # which costs ~0.2 s a call and would land on every step that applies.
             self.engine.optimizer.empty_partition_cache()
-            self._dirty = False
 
 
 def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep: int = 2) -> None:

@@ -140,6 +140,22 @@ def scenario_write(spec, rank, world):
     out["read_back"] = reads(access)
     out["loss"] = train_step(engine, ids, labels)
     out["after_step"] = zero.gather_full_params(engine)
+    # After a step ZeRO-3 holds no gathered copy: the flush releases nothing (it skips
+    # DeepSpeed's release of every parameter) and the written values still reach the
+    # forward; a forward outside training leaves them gathered, and then it releases.
+    calls = []
+    release = engine.optimizer.empty_partition_cache
+    engine.optimizer.empty_partition_cache = lambda: (calls.append(1), release())[-1]
+    for n, v in new.items():
+        access.write(n, v)
+    access.flush()
+    out["flush_calls_after_step"] = len(calls)
+    out["rewritten"] = logits(engine, ids)
+    for n, v in new.items():
+        access.write(n, torch.zeros_like(v))
+    access.flush()
+    out["flush_calls_gathered"] = len(calls)
+    out["zeroed"] = logits(engine, ids)
     return out
 
 

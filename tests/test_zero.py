@@ -255,6 +255,12 @@ def test_written_values_reach_the_forward_pass_and_the_optimizer(island):
         assert max_diff(out["before"], ref) > 0.1
         assert max_diff(out["master_only"], out["before"]) <= 1e-6, f"rank {r}"
         assert max_diff(out["no_flush"], out["before"]) <= 1e-6, f"rank {r}"
+        # The flush after a training step had nothing gathered to release, and the values
+        # written then still reached the forward; after a forward it released them.
+        assert out["flush_calls_after_step"] == 0, f"rank {r}"
+        assert max_diff(out["rewritten"], ref) <= 1e-5, f"rank {r}"
+        assert out["flush_calls_gathered"] == 1, f"rank {r}"
+        assert max_diff(out["zeroed"], out["rewritten"]) > 0.1, f"rank {r}"
 
     # The next training step computes its loss on the written values ...
     loss = lm_loss(target, ids, labels)
