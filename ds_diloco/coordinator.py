@@ -35,7 +35,7 @@ import torch
 from ds_diloco import compress, wire
 from ds_diloco.buffer_pool import BufferPool
 from ds_diloco.config import ISLAND_ID_RULE, CoordinatorConfig, valid_island_id
-from ds_diloco.fragment_state import Contribution, FragmentState
+from ds_diloco.fragment_state import Contribution, FragmentState, Ingest
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, Schedule, param_specs
 from ds_diloco.island_table import (
     IslandRecord,
@@ -92,6 +92,12 @@ def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
             f"{what} from incarnation {incarnation} of island {isl.island!r}, which registered "
             f"again since (incarnation {isl.registrations}): {wire.SUPERSEDED}",
         )
+
+
+def _compressed(meta, names) -> bool:
+    """Whether an upload is compressed: ``compress.to_wire`` names its metadata
+    "<slice>#<field>" and its scales "<slice>#scales"."""
+    return any("#" in k for k in (*meta, *names))
 
 
 _MAX_CACHED_BODIES = 64
@@ -486,11 +492,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ uploads
     def upload(self, body: bytes | bytearray | memoryview) -> dict:
-        """Validate and take in one rank's slices; refuses with CoordinatorError."""
-        # A slice per tensor, and a compressed one's scales: any more is not an upload.
-        most = 2 * max(len(fs.fragment.params) for fs in self._frags)
+        """Validate and take in one rank's slices from a whole body; refuses with
+        CoordinatorError (the server streams large bodies: :meth:`upload_begin`)."""
         try:
-            h, slices, meta = wire.decode_upload_with_metadata(body, most)
+            h, slices, meta = wire.decode_upload_with_metadata(body, self._most_tensors())
         except wire.WireError as e:
             raise CoordinatorError(400, str(e)) from None
         fs = self._fragment(h.fragment)
@@ -498,115 +503,200 @@ class Coordinator:
         slices = self._decompress(h, fs.fragment, slices, meta, zeros)
         self._check_shape(h, fs.fragment, slices, zeros)
         sq = self._check_values(fs, slices, h)  # before any state changes; zeros: 0
+        ing = self._begin(h, fs, zeros)
+        try:
+            for name, part in ing.parts.items():
+                part.zero_() if name in zeros else part.copy_(slices[name])
+        except BaseException:
+            self.upload_abort(ing)
+            raise
+        return self._finish(ing, sq)
 
+    def upload_begin(self, head, body_len: int) -> Ingest | None:
+        """Start taking in an upload of ``body_len`` bytes from its head (the first
+        ``wire.head_length`` bytes): checked as far as the head tells, and given the place
+        in its island's contribution row where the body's data go (``Ingest.write``, then
+        :meth:`upload_finish`, or :meth:`upload_abort` if the body does not come whole).
+        No copy of the body is made. None: a compressed upload, taken whole (:meth:`upload`).
+        """
+        try:
+            h, entries, meta = wire.decode_upload_head(head, body_len, self._most_tensors())
+        except wire.WireError as e:
+            raise CoordinatorError(400, str(e)) from None
+        if _compressed(meta, [e.name for e in entries]):
+            return None
+        fs = self._fragment(h.fragment)
+        shapes = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+        zeros = self._zero_names(h, fs.fragment, shapes)
+        self._check_shape(h, fs.fragment, shapes, zeros)
+        ing = self._begin(h, fs, zeros)
+        ing.order = [e.name for e in entries]
+        return ing
+
+    def upload_finish(self, ing: Ingest) -> dict:
+        """Take in an upload of :meth:`upload_begin` whose data were all written."""
+        try:
+            for name in ing.zeros:
+                ing.parts[name].zero_()
+            slices = {n: t for n, t in ing.parts.items() if n not in ing.zeros}
+            sq = self._check_values(self._frags[ing.header.fragment], slices, ing.header)
+        except BaseException:
+            self.upload_abort(ing)
+            raise
+        return self._finish(ing, sq)
+
+    def upload_abort(self, ing: Ingest) -> None:
+        """An upload of :meth:`upload_begin` refused or cut short: nothing of it is kept."""
+        with self._lock:
+            self._frags[ing.header.fragment].leave(ing.landing, ing.header.rank)
+
+    def _most_tensors(self) -> int:
+        """A slice per tensor, and a compressed one's scales: any more is not an upload."""
+        return 2 * max(len(fs.fragment.params) for fs in self._frags)
+
+    def _admit(self, h: wire.UploadHeader, fs: FragmentState, now: float):
+        """(island, its contribution in assembly) for an upload, or why it is refused
+        (``_lock`` held): asked when it starts and again once its body is in."""
+        isl = self._islands.get(h.island)
+        if isl is None and h.run == self.run_id:
+            isl = self._adopt_unknown(h, now)
+        elif isl is None:
+            raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
+        if h.incarnation > isl.registrations:
+            self._adopt_registration(isl, h, now)
+        if isl.left_at is not None:
+            raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
+        # First: a superseded launch must hear so (and stop), even with another world size.
+        _check_incarnation("upload", isl, h.incarnation)
+        if h.world_size != isl.world_size:
+            raise CoordinatorError(
+                422,
+                f"island {h.island!r} registered with world size {isl.world_size}, "
+                f"the upload says {h.world_size}",
+            )
+        last = isl.uploads.get((h.fragment, h.rank))
+        if last is not None and h.step <= last:
+            raise CoordinatorError(
+                409,
+                f"replayed upload: island {h.island!r} rank {h.rank} already sent fragment "
+                f"{h.fragment} at step {last}; this one is for step {h.step}",
+            )
+        if h.base_version > fs.version:
+            raise CoordinatorError(
+                409,
+                f"base version {h.base_version} of fragment {h.fragment} is from the future: "
+                f"the current version is {fs.version}",
+            )
+        cur = fs.assembling.get(h.island)
+        if cur is not None and cur.step == h.step and cur.counters() != self._counters(h):
+            raise CoordinatorError(
+                409,
+                f"counters disagree for island {h.island!r} fragment {h.fragment} step "
+                f"{h.step}: (world_size, base_version, tokens, steps, final) = "
+                f"{self._counters(h)} but earlier ranks sent {cur.counters()}",
+            )
+        return isl, cur
+
+    def _begin(self, h: wire.UploadHeader, fs: FragmentState, zeros: set[str]) -> Ingest:
+        """Where this rank's slices go: its part of the row its island's ranks' uploads
+        for this step land in (the contribution's row once one is taken in)."""
+        with self._lock:
+            _, cur = self._admit(h, fs, self.clock())
+            landing = fs.landings.get((h.island, h.step))
+            if landing is not None and h.rank in landing.ranks:
+                raise CoordinatorError(
+                    409,
+                    f"replayed upload: island {h.island!r} rank {h.rank} is sending fragment "
+                    f"{h.fragment} for step {h.step} already (that body is still coming in)",
+                )
+            same = cur is not None and cur.step == h.step
+            landing = fs.land(h.island, h.step, h.rank, cur.row if same else None)
+        ranges = self._ranges(fs, h.world_size, h.rank)
+        parts = {
+            seg.name: landing.row[seg.offset + a : seg.offset + b]
+            for seg, (a, b) in zip(fs.segments, ranges)
+        }
+        return Ingest(h, landing, parts, zeros)
+
+    def _finish(self, ing: Ingest, sq: torch.Tensor) -> dict:
+        """Take in an upload whose slices are in place and checked: asked again whether it
+        is refused (its island may have left or registered again meanwhile), then counted
+        in, or dropped (stale, superseded)."""
+        h = ing.header
+        fs = self._frags[h.fragment]
         now = self.clock()
         with self._lock:
-            isl = self._islands.get(h.island)
-            if isl is None and h.run == self.run_id:
-                isl = self._adopt_unknown(h, now)
-            elif isl is None:
-                raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
-            if h.incarnation > isl.registrations:
-                self._adopt_registration(isl, h, now)
-            if isl.left_at is not None:
-                raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
-            # First: a superseded launch must hear so (and stop), even with another world size.
-            _check_incarnation("upload", isl, h.incarnation)
-            if h.world_size != isl.world_size:
-                raise CoordinatorError(
-                    422,
-                    f"island {h.island!r} registered with world size {isl.world_size}, "
-                    f"the upload says {h.world_size}",
-                )
-            last = isl.uploads.get((h.fragment, h.rank))
-            if last is not None and h.step <= last:
-                raise CoordinatorError(
-                    409,
-                    f"replayed upload: island {h.island!r} rank {h.rank} already sent fragment "
-                    f"{h.fragment} at step {last}; this one is for step {h.step}",
-                )
-            if h.base_version > fs.version:
-                raise CoordinatorError(
-                    409,
-                    f"base version {h.base_version} of fragment {h.fragment} is from the future: "
-                    f"the current version is {fs.version}",
-                )
-            cur = fs.assembling.get(h.island)
-            if cur is not None and cur.step == h.step and cur.counters() != self._counters(h):
-                raise CoordinatorError(
-                    409,
-                    f"counters disagree for island {h.island!r} fragment {h.fragment} step "
-                    f"{h.step}: (world_size, base_version, tokens, steps, final) = "
-                    f"{self._counters(h)} but earlier ranks sent {cur.counters()}",
-                )
-            # Accepted from here on: nothing below refuses.
-            isl.uploads[(h.fragment, h.rank)] = h.step
-            isl.last_seen = now
-            if h.final:  # done training: no round waits for it, its results are not needed
-                isl.finishing = True
-            if h.step > isl.last_step:
-                if isl.last_step_at is not None and isl.last_step > 0:
-                    isl.step_time.update((now - isl.last_step_at) / (h.step - isl.last_step))
-                isl.last_step, isl.last_step_at = h.step, now
-            weight, why = self._weight(h, fs.version)
-            if weight == 0.0:
-                isl.count_dropped(h.fragment, h.step, h.steps)
-                opened = fs.opened_at.get(h.base_version + 1)
-                if h.base_version == fs.version - 1 and opened is not None:
-                    # One round late: how long after that round's first contribution it
-                    # came; the island sends that much earlier from now on, into the
-                    # round (FragmentSyncer phase shift). Further behind: no phase to read.
-                    late = round(max(now - opened, 0.0), 4)
-                    return self._reply("dropped", fs, why, late_s=late)
-                return self._reply("dropped", fs, why)
-            if cur is not None and cur.step > h.step:
-                isl.count_dropped(h.fragment, h.step, h.steps)
-                return self._reply("dropped", fs, f"superseded by step {cur.step} of this island")
-            if cur is None or cur.step < h.step:
-                if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
-                    fs.give_row(cur.row)
-                    isl.count_dropped(h.fragment, cur.step, cur.steps)
-                cur = Contribution(
-                    island=h.island,
-                    world_size=h.world_size,
-                    base_version=h.base_version,
-                    step=h.step,
-                    tokens=h.tokens,
-                    steps=h.steps,
-                    row=fs.take_row(),
-                    sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
-                    incarnation=h.incarnation,
-                    final=bool(h.final),
-                )
-                fs.assembling[h.island] = cur
-            row = cur.row
-            for seg, (start, end) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
-                part = row[seg.offset + start : seg.offset + end]
-                if seg.name in zeros:  # frozen on the island: left out of the body
-                    part.zero_()
-                else:
-                    part.copy_(slices[seg.name])
-            cur.sq_norms += sq
-            cur.ranks.add(h.rank)
-            complete = len(cur.ranks) == cur.world_size
-            if complete:
-                del fs.assembling[h.island]
-                per_step = cur.norm() / cur.steps
-                outlier = norm_outlier(per_step, fs.recent_norms, self.cfg.norm_guard)
-                if outlier:  # never merged: its steps are lost, as a stale upload's are
-                    fs.give_row(cur.row)
-                    isl.count_dropped(h.fragment, cur.step, cur.steps)
-                    log.warning("island %s fragment %d step %d %s", h.island, h.fragment,
-                                h.step, outlier)  # fmt: skip
-                    return self._reply("dropped", fs, outlier)
-                fs.recent_norms.append(per_step)  # the window's oldest falls out
-                cur.complete_at = now
-                old = fs.complete.pop(h.island, None)
-                if old is not None:  # the island's newer pseudo-gradient replaces its older one
-                    fs.give_row(old.row)
-                    isl.count_dropped(h.fragment, old.step, old.steps)
-                fs.complete[h.island] = cur
-            return self._reply("accepted", fs, why, complete=complete, weight=weight)
+            try:
+                isl, cur = self._admit(h, fs, now)
+                # Accepted from here on: nothing below refuses.
+                isl.uploads[(h.fragment, h.rank)] = h.step
+                isl.last_seen = now
+                if h.final:  # done training: no round waits for it, its results are not needed
+                    isl.finishing = True
+                if h.step > isl.last_step:
+                    if isl.last_step_at is not None and isl.last_step > 0:
+                        isl.step_time.update((now - isl.last_step_at) / (h.step - isl.last_step))
+                    isl.last_step, isl.last_step_at = h.step, now
+                weight, why = self._weight(h, fs.version)
+                if weight == 0.0:
+                    isl.count_dropped(h.fragment, h.step, h.steps)
+                    opened = fs.opened_at.get(h.base_version + 1)
+                    if h.base_version == fs.version - 1 and opened is not None:
+                        # One round late: how long after that round's first contribution it
+                        # came; the island sends that much earlier from now on, into the
+                        # round (FragmentSyncer phase shift). Further behind: no phase to read.
+                        late = round(max(now - opened, 0.0), 4)
+                        return self._reply("dropped", fs, why, late_s=late)
+                    return self._reply("dropped", fs, why)
+                if cur is not None and cur.step > h.step:
+                    isl.count_dropped(h.fragment, h.step, h.steps)
+                    return self._reply(
+                        "dropped", fs, f"superseded by step {cur.step} of this island"
+                    )
+                if cur is None or cur.step < h.step:
+                    if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
+                        fs.give_row(cur.row)
+                        isl.count_dropped(h.fragment, cur.step, cur.steps)
+                    cur = Contribution(
+                        island=h.island,
+                        world_size=h.world_size,
+                        base_version=h.base_version,
+                        step=h.step,
+                        tokens=h.tokens,
+                        steps=h.steps,
+                        row=ing.landing.row,  # where the ranks' slices were read: nothing to copy
+                        sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
+                        incarnation=h.incarnation,
+                        final=bool(h.final),
+                    )
+                    ing.landing.adopted = True
+                    fs.assembling[h.island] = cur
+                elif cur.row is not ing.landing.row:  # (a landing of a step in assembly is its row)
+                    for seg, (a, b) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
+                        cur.row[seg.offset + a : seg.offset + b].copy_(ing.parts[seg.name])
+                cur.sq_norms += sq
+                cur.ranks.add(h.rank)
+                complete = len(cur.ranks) == cur.world_size
+                if complete:
+                    del fs.assembling[h.island]
+                    per_step = cur.norm() / cur.steps
+                    outlier = norm_outlier(per_step, fs.recent_norms, self.cfg.norm_guard)
+                    if outlier:  # never merged: its steps are lost, as a stale upload's are
+                        fs.give_row(cur.row)
+                        isl.count_dropped(h.fragment, cur.step, cur.steps)
+                        log.warning("island %s fragment %d step %d %s", h.island, h.fragment,
+                                    h.step, outlier)  # fmt: skip
+                        return self._reply("dropped", fs, outlier)
+                    fs.recent_norms.append(per_step)  # the window's oldest falls out
+                    cur.complete_at = now
+                    old = fs.complete.pop(h.island, None)
+                    if old is not None:  # the island's newer pseudo-gradient replaces its older one
+                        fs.give_row(old.row)
+                        isl.count_dropped(h.fragment, old.step, old.steps)
+                    fs.complete[h.island] = cur
+                return self._reply("accepted", fs, why, complete=complete, weight=weight)
+            finally:
+                fs.leave(ing.landing, h.rank)
 
     @staticmethod
     def _counters(h: wire.UploadHeader) -> tuple[int, int, int, int, int]:
@@ -658,8 +748,7 @@ class Coordinator:
         Nothing is decoded before the slices' declared shapes have passed the plan's
         checks, so a body cannot make the coordinator allocate more than a real upload.
         """
-        # compress.to_wire names its metadata "<slice>#<field>" and its scales "<slice>#scales".
-        if not any("#" in k for k in (*meta, *tensors)):
+        if not _compressed(meta, tensors):
             return tensors
         who = f"island {h.island!r} rank {h.rank} fragment {h.fragment}"
         try:

@@ -86,6 +86,58 @@ class Contribution:
         return math.sqrt(float(self.sq_norms.sum()))
 
 
+@dataclasses.dataclass(eq=False)
+class Landing:
+    """The row that an island's ranks' uploads for one step are read into, straight from
+    the socket, while their bodies come in (``Coordinator.upload_begin``): the first one
+    accepted makes it its contribution's row, so every rank's slices land in place."""
+
+    island: str
+    step: int
+    row: torch.Tensor
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    """Ranks whose bodies are being read into it now."""
+    adopted: bool = False
+    """A contribution holds the row (it gives it back); else the last rank reading does."""
+
+
+@dataclasses.dataclass(eq=False)
+class Ingest:
+    """One rank's upload being taken in: the body's tensor data go straight into the
+    rank's part of its landing's row (``write``), then its values are checked."""
+
+    header: wire.UploadHeader
+    landing: Landing
+    parts: dict[str, torch.Tensor]
+    """Every slice of the fragment: this rank's part of the row."""
+    zeros: set[str]
+    """Slices the upload leaves out as all zero (written so at the check)."""
+    order: list[str] = dataclasses.field(default_factory=list)
+    """The body's tensors in data order (a streamed upload's)."""
+    _views: list[memoryview] | None = None
+    _at: tuple[int, int] = (0, 0)  # (part, byte) the next byte goes to
+
+    def write(self, chunk) -> None:
+        """The next bytes of the body's data (after its head), into the row."""
+        if self._views is None:
+            self._views = [
+                memoryview(self.parts[n].numpy()).cast("B") for n in self.order
+                if self.parts[n].numel()
+            ]  # fmt: skip
+        src = memoryview(chunk).cast("B")
+        i, at = self._at
+        while len(src):
+            if i == len(self._views):
+                raise wire.WireError("malformed body: more data than its tensors take")
+            dst = self._views[i]
+            n = min(len(dst) - at, len(src))
+            dst[at : at + n] = src[:n]
+            src, at = src[n:], at + n
+            if at == len(dst):
+                i, at = i + 1, 0
+        self._at = (i, at)
+
+
 @dataclasses.dataclass(frozen=True)
 class Served:
     """A published version: its values are never written again, so a download's body
@@ -123,6 +175,9 @@ class FragmentState:
         self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = RWLock()
         self.assembling: dict[str, Contribution] = {}
+        self.landings: dict[tuple[str, int], Landing] = {}  # by (island, step)
+        self._writers: dict[int, int] = {}  # id(row) -> uploads reading into it now
+        self._give_after: dict[int, torch.Tensor] = {}  # rows let go while being read into
         self.complete: dict[str, Contribution] = {}
         self.merging = False
         self.merges = 0
@@ -190,4 +245,36 @@ class FragmentState:
         return self.pool.take_transient(self.fragment.numel)
 
     def give_row(self, row: torch.Tensor) -> None:
-        self.pool.give(row)
+        """Back to the pool, or once no upload reads into it any more (a contribution
+        dropped while one of its island's ranks still sends)."""
+        if self._writers.get(id(row)):
+            self._give_after[id(row)] = row
+        else:
+            self.pool.give(row)
+
+    def land(self, island: str, step: int, rank: int, row: torch.Tensor | None) -> Landing:
+        """The landing of ``island``'s uploads for ``step`` with ``rank`` reading into it:
+        the one open, else a new one on ``row`` (a contribution's), else on a new row."""
+        landing = self.landings.get((island, step))
+        if landing is None:
+            adopted = row is not None
+            row = self.take_row() if row is None else row
+            landing = self.landings[(island, step)] = Landing(island, step, row, adopted=adopted)
+        landing.ranks.add(rank)
+        self._writers[id(landing.row)] = self._writers.get(id(landing.row), 0) + 1
+        return landing
+
+    def leave(self, landing: Landing, rank: int) -> None:
+        """``rank`` is done reading into ``landing`` (taken in or refused)."""
+        landing.ranks.discard(rank)
+        key = id(landing.row)
+        self._writers[key] -= 1
+        if self._writers[key] == 0:
+            del self._writers[key]
+            if self._give_after.pop(key, None) is not None:
+                self.pool.give(landing.row)
+        if not landing.ranks:
+            if self.landings.get((landing.island, landing.step)) is landing:
+                del self.landings[(landing.island, landing.step)]
+            if not landing.adopted:  # no contribution took it
+                self.give_row(landing.row)

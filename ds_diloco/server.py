@@ -1,7 +1,8 @@
 """The coordinator's HTTP service (aiohttp). Wire API: docs/wire-api.md.
 
 The event loop moves bytes and takes in small uploads (``INLINE_UPLOAD_BYTES``);
-decoding and validating larger ones, and merges, run in a thread pool, so health,
+a larger one is read straight into its contribution row (``Coordinator.upload_begin``),
+and checking its values, and merges, run in a thread pool, so health,
 status and downloads keep being served while a fragment merges; a download is sent
 straight from the served values, which a merge never writes in place. A small round
 loop closes rounds when the policy says so: right after a contribution completes, and
@@ -88,7 +89,9 @@ def _coalesce(parts, small: int = _SMALL_WRITE, most: int = _WRITE_SLICE):
 
 
 class _Buffers:
-    """Upload bodies' buffers, kept for the next uploads (used on the event loop only).
+    """Buffers of the upload bodies read whole (small ones, and compressed ones, which are
+    decoded whole; larger plain ones are read straight into their contribution row), kept
+    for the next uploads (used on the event loop only).
 
     Each page of a new buffer costs a page fault when first written, about as much as
     the copy into it; the uploads of a fragment come back at the same sizes every round.
@@ -266,7 +269,14 @@ class CoordinatorServer:
         return web.json_response(reply)
 
     async def upload(self, request):
-        body = await self._read_body(request)
+        n, head = request.content_length, b""
+        if n is not None and INLINE_UPLOAD_BYTES < n <= self.max_body_bytes:
+            reply, head = await self._stream_upload(request, n)
+            if reply is not None:
+                if reply.get("complete"):
+                    self._kick.set()
+                return web.json_response(reply)
+        body = await self._read_body(request, head)  # small, or compressed (decoded whole)
         self.coord.traffic["upload_bytes"] += len(body)  # counted on the loop only
         # Once upload() has returned or refused, it holds nothing of the body: the buffer is
         # free again. Not when cancelled: the worker thread may still be reading it.
@@ -283,29 +293,76 @@ class CoordinatorServer:
             self._kick.set()
         return web.json_response(reply)
 
-    async def _read_body(self, request) -> memoryview | bytes:
-        """The body into one buffer allocated once (aiohttp's read() copies it twice)."""
+    async def _stream_upload(self, request, n: int) -> tuple[dict | None, bytes]:
+        """A large upload read straight into its contribution row: the head first, which
+        says where the data go (``Coordinator.upload_begin``), then the data, no buffer
+        of the whole body: (reply, b""). (None, head): a compressed upload, to be read
+        whole after its head."""
+        head = await self._read_exactly(request, min(8, n), 0, n)
+        try:
+            size = wire.head_length(head, n)
+        except wire.WireError as e:
+            raise CoordinatorError(400, str(e)) from None
+        head += await self._read_exactly(request, size - 8, 8, n)
+        ing = self.coord.upload_begin(head, n)  # on the loop: the head's checks only
+        if ing is None:
+            return None, head
+        try:
+            pos = size
+            while pos < n:
+                chunk = await self._read_chunk(request, pos, n)
+                ing.write(chunk)
+                pos += len(chunk)
+        except BaseException:  # refused, cut short, or the client went away
+            self.coord.upload_abort(ing)
+            raise
+        self.coord.traffic["upload_bytes"] += n
+        # Its checks (NaN/Inf, norms) read every byte: off the loop.
+        return await self._run(self.coord.upload_finish, ing), b""
+
+    async def _read_exactly(self, request, size: int, pos: int, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < size:
+            chunk = await self._read_chunk(request, pos + len(out), n, size - len(out))
+            out += chunk
+        return bytes(out)
+
+    async def _read_chunk(self, request, pos: int, n: int, most: int | None = None) -> bytes:
+        """The body's next bytes (at most ``most``) from ``pos`` of ``n``, refused as
+        stalled, cut short or too long."""
+        try:
+            if most is None:
+                chunk = await asyncio.wait_for(request.content.readany(), BODY_IDLE_S)
+            else:
+                chunk = await asyncio.wait_for(request.content.read(most), BODY_IDLE_S)
+        except asyncio.TimeoutError:
+            raise CoordinatorError(
+                408, f"upload body stalled: no byte for {BODY_IDLE_S:g} s after {pos} of {n}"
+            ) from None
+        if not chunk:
+            raise CoordinatorError(400, f"body ended after {pos} of {n} bytes")
+        if pos + len(chunk) > n:
+            raise CoordinatorError(400, f"body longer than its Content-Length {n}")
+        return chunk
+
+    async def _read_body(self, request, head: bytes = b"") -> memoryview | bytes:
+        """The body into one buffer allocated once (aiohttp's read() copies it twice);
+        ``head``: its first bytes, read already."""
         n = request.content_length
         if n is None:
             return await request.read()  # chunked: aiohttp enforces client_max_size
         if n > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=n)
-        view, pos = memoryview(self._buffers.take(n))[:n], 0
-        while pos < n:
-            try:
-                chunk = await asyncio.wait_for(request.content.readany(), BODY_IDLE_S)
-            except asyncio.TimeoutError:
-                self._buffers.give(view)
-                raise CoordinatorError(
-                    408, f"upload body stalled: no byte for {BODY_IDLE_S:g} s after {pos} of {n}"
-                ) from None
-            if not chunk or pos + len(chunk) > n:
-                self._buffers.give(view)
-                if not chunk:
-                    raise CoordinatorError(400, f"body ended after {pos} of {n} bytes")
-                raise CoordinatorError(400, f"body longer than its Content-Length {n}")
-            view[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
+        view, pos = memoryview(self._buffers.take(n))[:n], len(head)
+        view[:pos] = head
+        try:
+            while pos < n:
+                chunk = await self._read_chunk(request, pos, n)
+                view[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        except BaseException:
+            self._buffers.give(view)
+            raise
         return view
 
     async def download(self, request):

@@ -236,26 +236,12 @@ def decode(
     ``max_tensors``: refuse a header listing more, before building any (a small body
     listing tens of thousands of empty tensors held the coordinator's loop ~1 s)."""
     view = memoryview(body)
-    if len(view) < 8:
-        raise WireError(
-            f"malformed body: {len(view)} bytes is shorter than the 8-byte header length"
-        )
-    (hlen,) = struct.unpack("<Q", view[:8])
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(view):
-        raise WireError(
-            f"malformed body: header length {hlen} does not fit a {len(view)}-byte body"
-        )
-    meta, entries = _parse_header(view[8 : 8 + hlen])
-    if max_tensors is not None and len(entries) > max_tensors:
-        raise WireError(
-            f"malformed body: the header lists {len(entries)} tensors, at most {max_tensors} "
-            "are expected"
-        )
-    data = view[8 + hlen :]
+    meta, entries, start = decode_head(view, len(view), max_tensors)
+    data = view[start:]
     tensors: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():  # frombuffer warns on read-only buffers; we never write them
         warnings.simplefilter("ignore", UserWarning)
-        for e in _check_layout(entries, len(data)):
+        for e in entries:
             try:
                 tensors[e.name] = _frombuffer(data[e.start : e.end], e.dtype, e.numel).view(e.shape)
             except (RuntimeError, TypeError) as err:  # an empty tensor whose dims overflow int64
@@ -265,8 +251,39 @@ def decode(
     return meta, tensors
 
 
+def head_length(first: bytes | bytearray | memoryview, body_len: int) -> int:
+    """How many bytes the head of a ``body_len``-byte body takes (its first 8 give it):
+    the 8-byte length and the JSON header, after which the tensors' data start."""
+    if body_len < 8 or len(first) < 8:
+        raise WireError(
+            f"malformed body: {body_len} bytes is shorter than the 8-byte header length"
+        )
+    (hlen,) = struct.unpack("<Q", memoryview(first)[:8])
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > body_len:
+        raise WireError(f"malformed body: header length {hlen} does not fit a {body_len}-byte body")
+    return 8 + hlen
+
+
+def decode_head(
+    head: bytes | bytearray | memoryview, body_len: int, max_tensors: int | None = None
+) -> tuple[dict[str, str], list[Entry], int]:
+    """The metadata and tensor entries (by data offset) of a ``body_len``-byte body from its
+    first bytes (at least :func:`head_length`), checked to tile the rest of the body; and
+    where the data start. Lets a body's data be read straight to where they go."""
+    start = head_length(head, body_len)
+    if len(head) < start:
+        raise WireError(f"malformed body: {len(head)} bytes given of a {start}-byte head")
+    meta, entries = _parse_header(memoryview(head)[8:start])
+    if max_tensors is not None and len(entries) > max_tensors:
+        raise WireError(
+            f"malformed body: the header lists {len(entries)} tensors, at most {max_tensors} "
+            "are expected"
+        )
+    return meta, _check_layout(entries, body_len - start), start
+
+
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class Entry:
     start: int
     end: int
     name: str
@@ -275,7 +292,7 @@ class _Entry:
     numel: int
 
 
-def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[_Entry]]:
+def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[Entry]]:
     """The metadata and the tensor entries of a header, sorted by data offset."""
     try:
         header = json.loads(bytes(raw))
@@ -308,13 +325,13 @@ def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[_Entry]]:
             if d < 0:
                 raise WireError(f"malformed body: tensor {name!r} has a negative dimension")
             numel *= d
-        entries.append(_Entry(offsets[0], offsets[1], name, _DTYPES[dtype_name], shape, numel))
+        entries.append(Entry(offsets[0], offsets[1], name, _DTYPES[dtype_name], shape, numel))
     # By (start, end), as safetensors does: an empty tensor may share its start with the next.
     entries.sort(key=lambda e: (e.start, e.end))
     return meta, entries
 
 
-def _check_layout(entries: list[_Entry], data_len: int) -> list[_Entry]:
+def _check_layout(entries: list[Entry], data_len: int) -> list[Entry]:
     """The entries, checked to tile ``data_len`` bytes exactly, in order, without gaps."""
     end_expected = 0
     for e in entries:
@@ -429,6 +446,15 @@ def upload_parts(
     if clash:
         raise WireError(f"metadata keys {clash} are upload header fields")
     return encode_parts(slices, {**(metadata or {}), **meta})
+
+
+def decode_upload_head(
+    head: bytes | bytearray | memoryview, body_len: int, max_tensors: int | None = None
+) -> tuple[UploadHeader, list[Entry], dict[str, str]]:
+    """An upload's header, tensor entries (by data offset) and whole metadata, from the
+    body's head (:func:`decode_head`)."""
+    meta, entries, _ = decode_head(head, body_len, max_tensors)
+    return _meta_to_header(UploadHeader, meta), entries, meta
 
 
 def decode_upload(body: bytes) -> tuple[UploadHeader, dict[str, torch.Tensor]]:

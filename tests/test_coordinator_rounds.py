@@ -192,6 +192,131 @@ def test_a_dead_islands_half_sent_upload_is_dropped_and_its_row_given_back(
     assert coord.versions() == [0, 0]
 
 
+def _head(body: bytes) -> bytes:
+    return body[: wire.head_length(body, len(body))]
+
+
+def _write(ing, body: bytes, upto: int | None = None) -> None:
+    """A streamed body's data as the server gets them: in pieces (``upto``: cut there)."""
+    for i in range(len(_head(body)), len(body) if upto is None else upto, 1000):
+        ing.write(body[i : min(i + 1000, len(body) if upto is None else upto)])
+
+
+def _bodies(coord, island, world_size, step, full, fragment=0, **over):
+    frag = coord.plan.fragments[fragment]
+    return [
+        wire.encode_upload(
+            wire.UploadHeader(**{
+                "island": island, "rank": r, "world_size": world_size, "fragment": fragment,
+                "base_version": coord.versions()[fragment], "step": step, "tokens": 10,
+                "steps": 2, **over,
+            }),
+            rank_slices(frag, full, world_size, r),
+        )
+        for r in range(world_size)
+    ]  # fmt: skip
+
+
+def test_streamed_uploads_of_an_islands_ranks_land_in_one_row_and_merge_as_whole_ones(
+    tiny_config_path, tmp_path
+):
+    # The server reads a large body straight into its island's contribution row: the ranks
+    # that send at once share it, nothing is copied after, and the merge is the same.
+    opts = {"policy": PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)}
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **opts)
+    ref = make(tiny_config_path, tmp_path / "r", Clock(), **opts)
+    for c in (coord, ref):
+        c.register("a", 2, c.plan.signature)
+    frag = coord.plan.fragments[0]
+    g = torch.Generator().manual_seed(0)
+    full = {p.name: torch.randn(p.shape, generator=g) * 1e-3 for p in frag.params}
+    bodies = _bodies(coord, "a", 2, 2, full)
+    in_use = coord.status()["buffers"]["in_use"]
+    ings = [coord.upload_begin(_head(b), len(b)) for b in bodies]  # both before any data
+    assert ings[0].landing is ings[1].landing
+    assert coord.status()["buffers"]["in_use"] == in_use + 1  # one row for the island
+    for ing, b in reversed(list(zip(ings, bodies))):  # rank 1's data first
+        _write(ing, b)
+    replies = [coord.upload_finish(ing) for ing in ings]
+    assert [r["status"] for r in replies] == ["accepted"] * 2 and replies[1]["complete"]
+    assert coord.status()["buffers"]["in_use"] == in_use + 1  # the row is the contribution's
+    for b in bodies:
+        ref.upload(b)
+    assert coord.poll(0).merge and ref.poll(0).merge
+    got, want = coord.global_tensors(), ref.global_tensors()
+    assert coord.versions() == ref.versions() == [1, 0]
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert coord.status()["buffers"]["in_use"] == ref.status()["buffers"]["in_use"]
+
+
+def test_a_streamed_upload_cut_short_not_finite_or_sent_twice_keeps_nothing(
+    tiny_config_path, tmp_path
+):
+    coord = make(
+        tiny_config_path, tmp_path / "s", Clock(), policy=PolicyOptions(min_quorum=1, tau=1)
+    )
+    coord.register("a", 1, coord.plan.signature)
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    (body,) = _bodies(coord, "a", 1, 2, full)
+    bad = {n: t.clone() for n, t in full.items()}
+    bad[frag.params[-1].name].view(-1)[-1] = float("nan")  # in the last bytes streamed
+    (nan_body,) = _bodies(coord, "a", 1, 2, bad)
+    before = (coord.status()["buffers"]["in_use"], coord.versions(), coord.global_tensors())
+
+    def unchanged():
+        st = coord.status()
+        assert st["buffers"]["in_use"] == before[0] and st["pending"] == {}
+        assert coord.versions() == before[1] and st["islands"]["a"]["dropped"] == 0
+        now = coord.global_tensors()
+        assert all(torch.equal(now[n], before[2][n]) for n in now)
+
+    ing = coord.upload_begin(_head(body), len(body))  # the connection drops half-way
+    _write(ing, body, upto=len(body) // 2)
+    coord.upload_abort(ing)
+    unchanged()
+    ing = coord.upload_begin(_head(nan_body), len(nan_body))
+    _write(ing, nan_body)
+    with pytest.raises(CoordinatorError) as e:
+        coord.upload_finish(ing)
+    assert e.value.status == 422 and wire.NOT_FINITE in str(e.value)
+    unchanged()
+    ing = coord.upload_begin(_head(body), len(body))  # the same rank again while it comes
+    with pytest.raises(CoordinatorError) as e:
+        coord.upload_begin(_head(body), len(body))
+    assert e.value.status == 409 and "still coming in" in str(e.value)
+    _write(ing, body)
+    assert coord.upload_finish(ing)["complete"]  # the first is taken whole
+    assert coord.poll(0).merge
+
+
+def test_a_row_dropped_while_a_rank_still_streams_into_it_waits_for_that_rank(
+    tiny_config_path, tmp_path
+):
+    # Rank 0's slices are in; rank 1's are coming when the island registers again, which
+    # drops the contribution. Its row must not go back to the pool (and to the next
+    # upload) while rank 1's data are still written into it.
+    coord = make(
+        tiny_config_path, tmp_path / "s", Clock(), policy=PolicyOptions(min_quorum=1, tau=1)
+    )
+    coord.register("a", 2, coord.plan.signature)
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    bodies = _bodies(coord, "a", 2, 2, full)
+    in_use = coord.status()["buffers"]["in_use"]
+    assert coord.upload(bodies[0])["status"] == "accepted"
+    ing = coord.upload_begin(_head(bodies[1]), len(bodies[1]))
+    assert ing.landing.row is coord._frags[0].assembling["a"].row
+    coord.register("a", 2, coord.plan.signature)  # incarnation 2: the contribution goes
+    assert coord.status()["pending"] == {}
+    assert coord.status()["buffers"]["in_use"] == in_use + 1  # still written into
+    _write(ing, bodies[1])
+    with pytest.raises(CoordinatorError) as e:  # from incarnation 1: superseded
+        coord.upload_finish(ing)
+    assert e.value.status == 409 and wire.SUPERSEDED in str(e.value)
+    assert coord.status()["buffers"]["in_use"] == in_use  # given back by the last writer
+
+
 def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(

@@ -29,6 +29,9 @@ TOKEN = "test-token"
 LR, MOMENTUM = 0.7, 0.9
 
 
+INLINE_DEFAULT = server_mod.INLINE_UPLOAD_BYTES
+
+
 def make_cfg(config_path, state_dir, islands=3, **kw) -> CoordinatorConfig:
     base = {
         "model": ModelSource(config=config_path, seed=0),
@@ -470,18 +473,23 @@ def _snapshot(srv):
         srv.coord.global_tensors(),
         st["pending"],
         {k: (v["last_step"], v["merged"], v["dropped"]) for k, v in st["islands"].items()},
+        st["buffers"]["in_use"],
     )
 
 
 def _assert_same(a, b):
-    assert a[0] == b[0] and a[2] == b[2] and a[3] == b[3]
+    assert a[0] == b[0] and a[2] == b[2] and a[3] == b[3] and a[4] == b[4]
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
 
 
+@pytest.mark.parametrize("inline_bytes", [INLINE_DEFAULT, 0], ids=["inline", "streamed"])
 def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
-    server, tiny_config_path
+    server, tiny_config_path, monkeypatch, inline_bytes
 ):
     import requests
+
+    # Streamed (every body above 0 bytes): read into its contribution row as it comes.
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
 
     client = client_for(server)
     plan = FragmentPlan.from_json(client.plan()["plan"])
@@ -704,23 +712,34 @@ def test_stop_ends_the_round_loop_even_as_a_merge_kicks_it(tiny_config_path, tmp
     assert server._round_task.done()
 
 
-INLINE_DEFAULT = server_mod.INLINE_UPLOAD_BYTES
-
-
-@pytest.mark.parametrize("inline_bytes, where", [(INLINE_DEFAULT, "loop"), (0, "pool")])
-def test_small_uploads_are_taken_in_on_the_loop_and_large_ones_in_the_pool(
+@pytest.mark.parametrize(
+    "inline_bytes, where",
+    [(INLINE_DEFAULT, ["upload on the loop"]),
+     (0, ["upload_begin on the loop", "upload_finish in the pool"])],
+)  # fmt: skip
+def test_small_uploads_are_taken_in_on_the_loop_and_large_ones_streamed_into_their_row(
     tiny_config_path, tmp_path, monkeypatch, inline_bytes, where
 ):
     monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
     with ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1)) as srv:
-        taken_in, upload = [], srv.coord.upload
+        taken_in = []
         loop_thread = srv._thread.ident
 
-        def spy(body):
-            taken_in.append("loop" if threading.get_ident() == loop_thread else "pool")
-            return upload(body)
+        def spy(name):
+            real = getattr(srv.coord, name)
 
-        monkeypatch.setattr(srv.coord, "upload", spy)
+            def call(*args):
+                on = "on the loop" if threading.get_ident() == loop_thread else "in the pool"
+                taken_in.append(f"{name} {on}")
+                return real(*args)
+
+            return call
+
+        for name in ("upload", "upload_begin", "upload_finish"):
+            monkeypatch.setattr(srv.coord, name, spy(name))
+        buffers = []  # a streamed body is read into its row: no buffer of its own
+        take = srv.server._buffers.take
+        monkeypatch.setattr(srv.server._buffers, "take", lambda n: buffers.append(n) or take(n))
         client = client_for(srv)
         plan = FragmentPlan.from_json(client.plan()["plan"])
         client.register("a", 1, plan.signature)
@@ -731,7 +750,8 @@ def test_small_uploads_are_taken_in_on_the_loop_and_large_ones_in_the_pool(
         body = wire.encode_upload(h, delta)
         assert 0 < len(body) <= INLINE_DEFAULT
         assert client.upload_body(body)["complete"]
-        assert taken_in == [where]
+        assert taken_in == where
+        assert buffers == ([len(body)] if inline_bytes else [])
         deadline = time.monotonic() + 10  # and it is merged either way
         while client.versions()[0] != 1:
             assert time.monotonic() < deadline
@@ -760,6 +780,49 @@ def test_an_upload_body_that_stalls_is_refused_and_its_buffer_freed(
         assert "upload body stalled: no byte for 0.5 s after 10 of 100000" in answer, answer
         assert time.monotonic() - t0 < 5.0
         assert CoordinatorClient(srv.url, TOKEN, retries=0).health()  # serving on
+    finally:
+        srv.stop()
+
+
+def test_a_streamed_upload_that_stalls_is_refused_and_lets_go_of_its_row(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # Its head said where the data go (a row of the pool): a client that stops sending
+    # half-way must not keep it.
+    import socket
+
+    monkeypatch.setattr(server_mod, "BODY_IDLE_S", 0.5)
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", 0)
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
+    try:
+        client = client_for(srv)
+        client.register("a", 1, srv.coord.plan.signature)
+        in_use = srv.coord.status()["buffers"]["in_use"]
+        frag = srv.coord.plan.fragments[0]
+        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                              step=4, tokens=64, steps=4)  # fmt: skip
+        body = wire.encode_upload(h, delta)
+        sent = wire.head_length(body, len(body)) + 100
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+                + b"Authorization: Bearer "
+                + TOKEN.encode()
+                + b"\r\n\r\n"
+                + body[:sent]
+            )
+            deadline = time.monotonic() + 5
+            while srv.coord.status()["buffers"]["in_use"] == in_use:  # its row is taken
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            answer = s.recv(4096).decode("latin-1")
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert f"no byte for 0.5 s after {sent} of {len(body)}" in answer, answer
+        assert srv.coord.status()["buffers"]["in_use"] == in_use
+        assert srv.coord.status()["pending"] == {}
+        # The same upload whole afterwards is taken (nothing of the first is held).
+        assert client.upload_body(body)["complete"]
     finally:
         srv.stop()
 

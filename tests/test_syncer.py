@@ -1115,8 +1115,8 @@ def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanw
     # The memory goal allows one fp32 copy of the shard (the base) and no more: the
     # pseudo-gradient is computed in place in the base and the body aliases it. Until the
     # body is sent, no download may write that base, even if a newer version is served.
-    # Uploads are taken in by the server's thread pool here: the held one below would
-    # hold the event loop, and b's upload with it.
+    # Uploads are streamed here, and taken in by the server's thread pool once their bytes
+    # are in: the held one below would hold the event loop, and b's upload with it.
     monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", 0)
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
@@ -1132,16 +1132,16 @@ def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanw
             return bodies[-1]
 
         arrived, answer = threading.Event(), threading.Event()
-        take = srv.coord.upload
+        take = srv.coord.upload_finish
 
-        def held_upload(body):  # a's bytes are in; its answer waits until b has merged
-            if wire.decode_upload(bytes(body))[0].island == "a":
+        def held_upload(ing):  # a's bytes are in; its answer waits until b has merged
+            if ing.header.island == "a":
                 arrived.set()
                 assert answer.wait(20.0)
-            return take(body)
+            return take(ing)
 
         s._encode = spy  # the uploader thread looks it up per upload
-        srv.coord.upload = held_upload
+        srv.coord.upload_finish = held_upload
         run_threads(s.bootstrap, other.bootstrap)
         try:
             global0 = {n: t.clone() for n, t in slot.base.items()}
