@@ -657,6 +657,12 @@ class Coordinator:
                     if cur is not None:  # a newer pseudo-gradient subsumes an unfinished older one
                         fs.give_row(cur.row)
                         isl.count_dropped(h.fragment, cur.step, cur.steps)
+                    row = ing.landing.row  # where the ranks' slices were read: no copy
+                    if fs.released(row):  # a contribution that held it was dropped meanwhile
+                        row = fs.take_row()
+                        self._copy_part(fs, h, ing, row)
+                    else:
+                        ing.landing.adopted = True
                     cur = Contribution(
                         island=h.island,
                         world_size=h.world_size,
@@ -664,16 +670,14 @@ class Coordinator:
                         step=h.step,
                         tokens=h.tokens,
                         steps=h.steps,
-                        row=ing.landing.row,  # where the ranks' slices were read: nothing to copy
+                        row=row,
                         sq_norms=torch.zeros(len(fs.segments), dtype=torch.float64),
                         incarnation=h.incarnation,
                         final=bool(h.final),
                     )
-                    ing.landing.adopted = True
                     fs.assembling[h.island] = cur
-                elif cur.row is not ing.landing.row:  # (a landing of a step in assembly is its row)
-                    for seg, (a, b) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
-                        cur.row[seg.offset + a : seg.offset + b].copy_(ing.parts[seg.name])
+                elif cur.row is not ing.landing.row:  # the same: a new row took its place
+                    self._copy_part(fs, h, ing, cur.row)
                 cur.sq_norms += sq
                 cur.ranks.add(h.rank)
                 complete = len(cur.ranks) == cur.world_size
@@ -697,6 +701,11 @@ class Coordinator:
                 return self._reply("accepted", fs, why, complete=complete, weight=weight)
             finally:
                 fs.leave(ing.landing, h.rank)
+
+    def _copy_part(self, fs: FragmentState, h: wire.UploadHeader, ing: Ingest, row) -> None:
+        """This rank's slices from where they were read into ``row``."""
+        for seg, (a, b) in zip(fs.segments, self._ranges(fs, h.world_size, h.rank)):
+            row[seg.offset + a : seg.offset + b].copy_(ing.parts[seg.name])
 
     @staticmethod
     def _counters(h: wire.UploadHeader) -> tuple[int, int, int, int, int]:

@@ -252,6 +252,10 @@ class FragmentState:
         else:
             self.pool.give(row)
 
+    def released(self, row: torch.Tensor) -> bool:
+        """Whether ``row`` was given back and goes to the pool once no upload reads into it."""
+        return id(row) in self._give_after
+
     def land(self, island: str, step: int, rank: int, row: torch.Tensor | None) -> Landing:
         """The landing of ``island``'s uploads for ``step`` with ``rank`` reading into it:
         the one open, else a new one on ``row`` (a contribution's), else on a new row."""

@@ -317,6 +317,36 @@ def test_a_row_dropped_while_a_rank_still_streams_into_it_waits_for_that_rank(
     assert coord.status()["buffers"]["in_use"] == in_use  # given back by the last writer
 
 
+def test_an_upload_whose_contribution_was_dropped_while_it_came_starts_one_on_a_new_row(
+    tiny_config_path, tmp_path
+):
+    # The island went silent past its lease while rank 1's body came: its half
+    # contribution (rank 0's) was dropped, its row given back once rank 1 is done. Rank 1's
+    # upload is then taken into a contribution of its own, which must not keep that row.
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=1, tau=1), island_timeout_s=10.0,
+    )  # fmt: skip
+    coord.register("a", 2, coord.plan.signature)
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    bodies = _bodies(coord, "a", 2, 2, full)
+    in_use = coord.status()["buffers"]["in_use"]
+    assert coord.upload(bodies[0])["status"] == "accepted"
+    ing = coord.upload_begin(_head(bodies[1]), len(bodies[1]))
+    clock.now += 11.0
+    coord.schedule()  # drops rank 0's contribution: the island lost its lease
+    assert coord.status()["pending"] == {} and coord.status()["islands"]["a"]["dropped"] == 1
+    _write(ing, bodies[1])
+    assert coord.upload_finish(ing)["status"] == "accepted"
+    held = coord._frags[0].assembling["a"].row
+    assert coord.status()["buffers"]["in_use"] == in_use + 1  # its own row, and only that
+    expect = rank_slices(frag, full, 2, 1)
+    for seg, (a, b) in zip(coord._frags[0].segments, coord._ranges(coord._frags[0], 2, 1)):
+        assert torch.equal(held[seg.offset + a : seg.offset + b], expect[seg.name])
+
+
 def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(
