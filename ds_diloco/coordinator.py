@@ -1288,9 +1288,10 @@ class Coordinator:
                     str(i): {
                         "complete": sorted(fs.complete),
                         "assembling": {k: sorted(c.ranks) for k, c in fs.assembling.items()},
+                        "receiving": fs.receiving(),
                     }
                     for i, fs in enumerate(self._frags)
-                    if fs.complete or fs.assembling
+                    if fs.complete or fs.assembling or fs.landings
                 },
                 "last_merge": {
                     str(i): fs.last_merge for i, fs in enumerate(self._frags) if fs.last_merge

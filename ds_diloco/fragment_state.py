@@ -252,6 +252,13 @@ class FragmentState:
         else:
             self.pool.give(row)
 
+    def receiving(self) -> dict[str, list[int]]:
+        """By island, the ranks whose upload bodies are coming in now."""
+        out: dict[str, set[int]] = {}
+        for (island, _), landing in self.landings.items():
+            out.setdefault(island, set()).update(landing.ranks)
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
     def released(self, row: torch.Tensor) -> bool:
         """Whether ``row`` was given back and goes to the pool once no upload reads into it."""
         return id(row) in self._give_after

@@ -106,6 +106,10 @@ def _render(st: dict, url: str) -> str:
             parts += [
                 f"{name} has ranks {ranks}" for name, ranks in sorted(p["assembling"].items())
             ]
+            parts += [  # (absent from coordinators before it)
+                f"{name} is sending ranks {ranks}"
+                for name, ranks in sorted(p.get("receiving", {}).items())
+            ]
             out.append(f"round open, fragment {frag}: " + "; ".join(parts))
     failures_now = st["last_merge_failure"]
     for frag, f in sorted(failures_now.items(), key=_int_key):

@@ -20,6 +20,7 @@ from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.metrics import prometheus_text
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
+from ds_diloco.status_view import render
 
 
 class Clock:
@@ -235,11 +236,15 @@ def test_streamed_uploads_of_an_islands_ranks_land_in_one_row_and_merge_as_whole
     ings = [coord.upload_begin(_head(b), len(b)) for b in bodies]  # both before any data
     assert ings[0].landing is ings[1].landing
     assert coord.status()["buffers"]["in_use"] == in_use + 1  # one row for the island
+    pending = coord.status()["pending"]  # what an operator sees meanwhile
+    assert pending == {"0": {"complete": [], "assembling": {}, "receiving": {"a": [0, 1]}}}
+    assert "round open, fragment 0: a is sending ranks [0, 1]" in render(coord.status())
     for ing, b in reversed(list(zip(ings, bodies))):  # rank 1's data first
         _write(ing, b)
     replies = [coord.upload_finish(ing) for ing in ings]
     assert [r["status"] for r in replies] == ["accepted"] * 2 and replies[1]["complete"]
     assert coord.status()["buffers"]["in_use"] == in_use + 1  # the row is the contribution's
+    assert coord.status()["pending"]["0"] == {"complete": ["a"], "assembling": {}, "receiving": {}}
     for b in bodies:
         ref.upload(b)
     assert coord.poll(0).merge and ref.poll(0).merge
@@ -308,7 +313,8 @@ def test_a_row_dropped_while_a_rank_still_streams_into_it_waits_for_that_rank(
     ing = coord.upload_begin(_head(bodies[1]), len(bodies[1]))
     assert ing.landing.row is coord._frags[0].assembling["a"].row
     coord.register("a", 2, coord.plan.signature)  # incarnation 2: the contribution goes
-    assert coord.status()["pending"] == {}
+    sending = {"0": {"complete": [], "assembling": {}, "receiving": {"a": [1]}}}
+    assert coord.status()["pending"] == sending  # the contribution is gone, rank 1 sends on
     assert coord.status()["buffers"]["in_use"] == in_use + 1  # still written into
     _write(ing, bodies[1])
     with pytest.raises(CoordinatorError) as e:  # from incarnation 1: superseded
@@ -337,7 +343,8 @@ def test_an_upload_whose_contribution_was_dropped_while_it_came_starts_one_on_a_
     ing = coord.upload_begin(_head(bodies[1]), len(bodies[1]))
     clock.now += 11.0
     coord.schedule()  # drops rank 0's contribution: the island lost its lease
-    assert coord.status()["pending"] == {} and coord.status()["islands"]["a"]["dropped"] == 1
+    sending = {"0": {"complete": [], "assembling": {}, "receiving": {"a": [1]}}}
+    assert coord.status()["pending"] == sending and coord.status()["islands"]["a"]["dropped"] == 1
     _write(ing, bodies[1])
     assert coord.upload_finish(ing)["status"] == "accepted"
     held = coord._frags[0].assembling["a"].row
