@@ -505,8 +505,9 @@ class Coordinator:
         sq = self._check_values(fs, slices, h)  # before any state changes; zeros: 0
         ing = self._begin(h, fs, zeros)
         try:
-            for name, part in ing.parts.items():
-                part.zero_() if name in zeros else part.copy_(slices[name])
+            for name, t in slices.items():  # every slice but ``zeros`` (checked above)
+                ing.parts[name].copy_(t)
+            ing.fill_zeros()
         except BaseException:
             self.upload_abort(ing)
             raise
@@ -536,8 +537,7 @@ class Coordinator:
     def upload_finish(self, ing: Ingest) -> dict:
         """Take in an upload of :meth:`upload_begin` whose data were all written."""
         try:
-            for name in ing.zeros:
-                ing.parts[name].zero_()
+            ing.fill_zeros()
             slices = {n: t for n, t in ing.parts.items() if n not in ing.zeros}
             sq = self._check_values(self._frags[ing.header.fragment], slices, ing.header)
         except BaseException:

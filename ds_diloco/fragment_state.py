@@ -117,6 +117,11 @@ class Ingest:
     _views: list[memoryview] | None = None
     _at: tuple[int, int] = (0, 0)  # (part, byte) the next byte goes to
 
+    def fill_zeros(self) -> None:
+        """Write the slices the upload left out as all zero."""
+        for name in self.zeros:
+            self.parts[name].zero_()
+
     def write(self, chunk) -> None:
         """The next bytes of the body's data (after its head), into the row."""
         if self._views is None:
