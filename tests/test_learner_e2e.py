@@ -305,9 +305,11 @@ def test_a_loop_that_raises_without_closing_exits_with_its_error(
 
 
 # Registered before the Learner's own exit hook, so run after it (atexit is last in, first out).
+# One write per line: two ranks share the launcher's stdout, and print() writes its parts one
+# by one, so their lines came interleaved ("group up at exit:group up at exit: True") in CI.
 REPORT_AT_EXIT = """
-import atexit, torch
-atexit.register(lambda: print("group up at exit:", torch.distributed.is_initialized(), flush=True))
+import atexit, os, torch
+atexit.register(lambda: os.write(1, f"group up at exit: {torch.distributed.is_initialized()}\\n".encode()))
 """
 CLOSING_LOOP = CRASHING_LOOP.replace(
     "zero.init_distributed()", "zero.init_distributed()" + REPORT_AT_EXIT
