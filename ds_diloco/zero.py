@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def build_engine(
     stage = ds_config.get("zero_optimization", {}).get("stage")
     if stage != 3:
         raise ValueError(f"deepspeed_config: zero_optimization.stage must be 3, got {stage}")
+    _quiet_deepspeed_deprecations()
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (must stay alive while the model is built)
     if source.pretrained:
         model = AutoModelForCausalLM.from_pretrained(source.pretrained, dtype=torch.float32)
@@ -125,6 +127,19 @@ def build_engine(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     return engine
+
+
+def _quiet_deepspeed_deprecations() -> None:
+    """ZeRO-3 gathers and reduces with torch collectives that torch now calls deprecated;
+    every rank of every island printed the warnings in its log, and whoever reads it can
+    do nothing about them (DeepSpeed's calls). Process-wide, so set where this module
+    builds the engine (an island's process), not by the Learner in a user's own loop."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+        "deprecated",
+        category=FutureWarning,
+    )
 
 
 def freeze_params(model: torch.nn.Module, patterns: Sequence[str]) -> list[torch.nn.Parameter]:
