@@ -269,14 +269,19 @@ class CoordinatorServer:
         return web.json_response(reply)
 
     async def upload(self, request):
-        n, head = request.content_length, b""
+        n, reply, head = request.content_length, None, b""
         if n is not None and INLINE_UPLOAD_BYTES < n <= self.max_body_bytes:
             reply, head = await self._stream_upload(request, n)
-            if reply is not None:
-                if reply.get("complete"):
-                    self._kick.set()
-                return web.json_response(reply)
-        body = await self._read_body(request, head)  # small, or compressed (decoded whole)
+        if reply is None:  # small, or compressed (decoded whole)
+            reply = await self._upload_whole(request, head)
+        if reply.get("complete"):
+            self._kick.set()
+        return web.json_response(reply)
+
+    async def _upload_whole(self, request, head: bytes) -> dict:
+        """An upload read into a buffer of its own and then taken in; ``head``: its first
+        bytes, read already."""
+        body = await self._read_body(request, head)
         self.coord.traffic["upload_bytes"] += len(body)  # counted on the loop only
         # Once upload() has returned or refused, it holds nothing of the body: the buffer is
         # free again. Not when cancelled: the worker thread may still be reading it.
@@ -289,9 +294,7 @@ class CoordinatorServer:
             self._buffers.give(body)
             raise
         self._buffers.give(body)
-        if reply.get("complete"):
-            self._kick.set()
-        return web.json_response(reply)
+        return reply
 
     async def _stream_upload(self, request, n: int) -> tuple[dict | None, bytes]:
         """A large upload read straight into its contribution row: the head first, which
