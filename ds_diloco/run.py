@@ -26,6 +26,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
@@ -48,6 +49,8 @@ from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
 
 PROGRESS_EVERY_S = 5.0
+QUIET_REPEAT_S = 60.0
+"""An unchanged progress line is printed again only this often: alive, nothing new."""
 COORDINATOR_START_S = 120.0
 """Longest wait for a started coordinator to answer (loading a large pretrained model)."""
 ISLAND_CONNECT_S = COORDINATOR_START_S + 30.0
@@ -486,6 +489,25 @@ class LocalRun:
         return f"[{' | '.join(cells) or 'starting'}]  {coord}"
 
 
+class ProgressPrinter:
+    """Prints a progress line when it changed, and an unchanged one again only after
+    ``quiet_s`` (a run waiting on its islands' start-up said ``[starting]`` every 5 s)."""
+
+    def __init__(self, quiet_s: float = QUIET_REPEAT_S, clock=time.monotonic, out=print):
+        self.quiet_s, self.clock, self.out = quiet_s, clock, out
+        self.last: str | None = None
+        self.printed_at = -math.inf
+
+    def __call__(self, line: str) -> bool:
+        """Print ``line`` if it is news or the last print is ``quiet_s`` old; True if printed."""
+        now = self.clock()
+        if line == self.last and now - self.printed_at < self.quiet_s:
+            return False
+        self.out(line, flush=True)
+        self.last, self.printed_at = line, now
+        return True
+
+
 class Stopped(KeyboardInterrupt):
     """The run was told to stop by a signal: SIGINT (Ctrl-C) or SIGTERM."""
 
@@ -812,17 +834,18 @@ def _drive(
     sizes = ", ".join(f"{s.name} x{s.world_size}" for s in cfg.islands)
     print(f"islands: {sizes}; logs in {lr.workdir / 'islands'}", flush=True)
     next_print = time.monotonic()
+    show = ProgressPrinter()
     while not lr.finished():
         lr.supervise()
         if time.monotonic() >= next_print:
-            print(lr.progress_line(client), flush=True)
+            show(lr.progress_line(client))
             status = _status_or_none(client)
             board.write(status)
             exports.maybe(status)
             evals.maybe(status)
             next_print += PROGRESS_EVERY_S
         time.sleep(0.2)
-    print(lr.progress_line(client), flush=True)
+    show(lr.progress_line(client))
     final_status = _status_or_none(client)
     exports.maybe(final_status)  # a short run may cross its first export only at the end
     exports.join()

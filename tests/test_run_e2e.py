@@ -674,6 +674,18 @@ def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_co
     assert "coordinator unreachable" in line
 
 
+def test_an_unchanged_progress_line_is_printed_again_only_after_a_quiet_minute():
+    # The demo printed "[starting]  versions 0..0 ..." three times while its islands started.
+    now, printed = [0.0], []
+    show = run_mod.ProgressPrinter(quiet_s=60, clock=lambda: now[0],
+                                   out=lambda line, flush: printed.append(line))  # fmt: skip
+    for t, line in [(0, "[starting]"), (5, "[starting]"), (10, "[a: step 1]"), (15, "[a: step 1]"),
+                    (20, "[a: step 2]"), (79, "[a: step 2]"), (80, "[a: step 2]")]:  # fmt: skip
+        now[0] = t
+        show(line)
+    assert printed == ["[starting]", "[a: step 1]", "[a: step 2]", "[a: step 2]"]
+
+
 def test_a_fresh_run_clears_an_earlier_runs_outputs_but_not_its_own_inputs(
     tmp_path, tiny_config_path
 ):

@@ -45,6 +45,7 @@ from ds_diloco.run import (
     PROGRESS_EVERY_S,
     CoordinatorStartError,
     LocalRun,
+    ProgressPrinter,
     evaluate,
     stop_deferred,
 )
@@ -264,11 +265,12 @@ def _until_training(lr: LocalRun, timeout_s: float = 600.0) -> None:
 
 def _supervise(lr: LocalRun, label: str, client: CoordinatorClient | None) -> None:
     next_print = time.monotonic()
+    show = ProgressPrinter()
     while not lr.finished():
         lr.supervise()
         if time.monotonic() >= next_print:
             line = lr.progress_line(client) if client else _progress(lr)
-            print(f"[{label}] {line}", flush=True)
+            show(f"[{label}] {line}")
             next_print += PROGRESS_EVERY_S
         time.sleep(0.2)
 
