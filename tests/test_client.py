@@ -14,6 +14,8 @@ import http.client
 import http.server
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -349,3 +351,21 @@ def test_a_downloads_opened_ago_header_is_read_and_a_bad_one_named(raw):
 def test_a_bad_url_is_refused_with_its_name():
     with pytest.raises(ValueError, match="ftp://x"):
         CoordinatorClient("ftp://x", "t")
+
+
+def test_a_rank_reaching_the_coordinator_by_name_does_not_load_the_idna_codec():
+    # getaddrinfo encodes a str host with the idna codec, which imports stringprep: 0.4 MB
+    # in every rank, beyond the one fp32 shard copy a rank may hold more than plain ZeRO-3.
+    srv = _Server(_ok)
+    try:
+        probe = (
+            "import sys; from ds_diloco.client import CoordinatorClient; "
+            f"c = CoordinatorClient({srv.url.replace('127.0.0.1', 'localhost')!r}, 't', retries=0); "
+            "print(c.versions(), sorted({'stringprep', 'encodings.idna'} & set(sys.modules)))"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    finally:
+        srv.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[1,", "2]", "[]"], out.stdout
