@@ -331,6 +331,11 @@ class FragmentSyncer:
         # Merged fragments copied to the GPU ahead of their apply (started at bootstrap).
         self._prefetch = Prefetch(f"{island}/{rank}")
         self._stop = threading.Event()
+        # What the downloader waits for may have changed (a step, a send, an upload done,
+        # close): it sleeps on this when nothing is wanted, instead of polling. Polling
+        # every poll_s, the two threads woke up to 40 times a second between steps, each
+        # time taking the GIL from training.
+        self._wake = threading.Event()
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
         self._flushing = False  # every base holding an upload is fetched again (flush)
         self._flush_lost = 0  # the flush's uploads that failed or were refused
@@ -566,6 +571,7 @@ class FragmentSyncer:
         finally:
             if locked:
                 send.lock.release()
+            self._wake.set()  # a step moves what the downloader wants (see _wanted)
         return applied
 
     def _followed_late(self, send: _Slot | None, now: float) -> float | None:
@@ -856,9 +862,12 @@ class FragmentSyncer:
 
     def _upload_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                index = self._uploads.get(timeout=self.poll_s)
+            try:  # close() puts None to wake it; the timeout is only a safety net
+                index = self._uploads.get(timeout=HEARTBEAT_S)
             except queue.Empty:
+                continue
+            if index is None:
+                self._uploads.task_done()
                 continue
             with self._lock:
                 header, delta = self._pending.pop(index)
@@ -878,6 +887,7 @@ class FragmentSyncer:
                         slot.in_flight = False
             del body
             self._uploads.task_done()
+            self._wake.set()  # the base is free to download into, or must be fetched again
 
     def _stage_on_device(self, local: dict[str, torch.Tensor]) -> bool:
         """Stage this send on the GPU: the shard is there and no other send is staged (at
@@ -937,13 +947,14 @@ class FragmentSyncer:
         last_contact = time.monotonic()
         idle_logged = False
         while not self._stop.is_set():
+            self._wake.clear()  # a change from here on ends the waits below
             idle = time.monotonic() - self._active_t
             if idle > IDLE_LEASE_S and not self._flushing:  # see IDLE_LEASE_S
                 if not idle_logged:
                     log.warning("%s/%d no training step for %.0f s: heartbeats stop until "
                                 "the next step", self.island, self.rank, idle)  # fmt: skip
                 idle_logged = True
-                self._stop.wait(self.poll_s)
+                self._wake.wait(HEARTBEAT_S)  # the next step wakes it
                 continue
             idle_logged = False
             wanted = self._wanted()
@@ -952,7 +963,9 @@ class FragmentSyncer:
                     with contextlib.suppress(Exception):
                         self.client.versions(self.island)
                     last_contact = time.monotonic()
-                self._stop.wait(self.poll_s)
+                # Until something is wanted (a step, an upload done, the flush) or the
+                # next heartbeat is due.
+                self._wake.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - last_contact)))
                 continue
             last_contact = time.monotonic()
             # Only fragments we wait for may end the long poll: another island's merge of
@@ -1108,6 +1121,7 @@ class FragmentSyncer:
         t0 = time.monotonic()
         with self._lock:
             self._flushing, self._flush_lost = True, 0
+        self._wake.set()
         self._settle(t0 + timeout_s / 2, refetch=True)
         sent = self._send_progress(self._last_step, final)
         self.stats.flushed += len(sent)
@@ -1143,6 +1157,7 @@ class FragmentSyncer:
             # held is -1 for a slot that waits for no result: nothing applied or fetched there.
             if self._apply_agreed(zip(self.plan.fragments, self.slots), held, lows, highs):
                 self._flush()
+            self._wake.set()  # applied, or behind another rank: fetch again
             if highs[-2] == 0:
                 return 0
             if highs[-1] == 1:  # given up: what this rank still waits for
@@ -1190,6 +1205,7 @@ class FragmentSyncer:
                 slot.lock.release()
             with self._lock:
                 self._paused = False
+            self._wake.set()
 
     def leave(self, client: CoordinatorClient | None = None) -> None:
         """Tell the coordinator this island is done for good (best effort)."""
@@ -1235,11 +1251,14 @@ class FragmentSyncer:
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued uploads, then stop the background thread."""
         deadline = time.monotonic() + timeout
-        while self._uploads.unfinished_tasks and time.monotonic() < deadline:
+        uploader, downloader = self._threads
+        while (self._uploads.unfinished_tasks and uploader.is_alive()
+               and time.monotonic() < deadline):  # fmt: skip
             time.sleep(0.01)
         self._stop.set()
-        uploader, downloader = self._threads
+        self._wake.set()
         if uploader.is_alive():
+            self._uploads.put(None)  # wakes it from its wait for the next upload
             uploader.join(timeout=max(0.0, deadline - time.monotonic()))
         # Past the deadline, requests still running are cut short: a rank that returned
         # with a live thread could not take the global model with the others.

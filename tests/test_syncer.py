@@ -373,6 +373,47 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     s.close(timeout=5)
 
 
+def test_the_transport_threads_sleep_until_there_is_work_and_then_start_at_once(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    # Between steps with nothing to send or fetch, the threads wait on events: polling
+    # every poll_s (50 ms), they woke up to 40 times a second, taking the GIL from training.
+    # The waking must not come late either: a result is fetched as soon as the upload that
+    # freed its base is done, not at the next heartbeat (2 s).
+    wanted_calls, gets = [0], [0]
+    wanted = FragmentSyncer._wanted
+
+    def counting_wanted(self):
+        wanted_calls[0] += 1
+        return wanted(self)
+
+    class CountingQueue(syncer_mod.queue.Queue):
+        def get(self, *a, **kw):
+            gets[0] += 1
+            return super().get(*a, **kw)
+
+    monkeypatch.setattr(FragmentSyncer, "_wanted", counting_wanted)
+    monkeypatch.setattr(syncer_mod.queue, "Queue", CountingQueue)
+    monkeypatch.setattr(syncer_mod, "HEARTBEAT_S", 5.0)  # the waits' fallback: only a wake passes
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, sync_every=2)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        s = island_syncers(srv, client, "isl", model_from(tiny_config_path, seed=0), 1)[0]
+        assert s.poll_s == 0.01
+        s.bootstrap()
+        time.sleep(0.2)  # the threads settle into their waits
+        wanted_calls[0], gets[0] = 0, 0
+        time.sleep(1.0)  # nothing sent, nothing to fetch
+        assert wanted_calls[0] <= 1 and gets[0] <= 1, (wanted_calls, gets)
+        upload = client.upload_body
+        client.upload_body = lambda *a, **kw: (time.sleep(0.3), upload(*a, **kw))[1]  # slow
+        train(s, range(1, 2), wait_results=False)  # step 1: fragment 0 is sent
+        t0 = time.monotonic()
+        wait_for(lambda: s.slots[0].arrived, timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        s.close()
+        assert not any(t.is_alive() for t in s._threads)
+
+
 def test_a_coordinator_back_with_older_state_is_followed_not_waited_for(tiny_config_path, tmp_path):
     # The coordinator comes back from a backup of its state dir, versions behind what the
     # island applied: the island takes the coordinator's values (as a restarted learner
