@@ -177,6 +177,21 @@ def _rss_mb() -> float | None:
         return None
 
 
+def _private_mb() -> float | None:
+    """This process's private resident memory now (pages no other process maps), MiB; None
+    without /proc. Unlike the RSS it leaves out the shared libraries' code pages, which
+    ``ru_maxrss`` counts in every rank though a host holds one copy of them."""
+    try:
+        kb = 0
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    kb += int(line.split()[1])
+        return round(kb / 1024, 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
     rank, world = zero.init_distributed()
@@ -220,6 +235,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     sync_s, sync_max_s, step_s = 0.0, 0.0, 0.0
     step_times = []  # whole steps, sync included: what the benchmark compares
     setup_rss_mb, step_rss_mb = _rss_mb(), []  # where a rank's memory goes (bench island)
+    setup_private_mb = _private_mb()
     slow = _FaultHook(workdir, rank)
     gc_tuning.resume_after_setup()  # the same in both modes, before the first timed step
     t_start = time.perf_counter()
@@ -294,6 +310,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
+        "setup_private_mb": setup_private_mb,  # of it, this process's own pages
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "step_rss_mb": step_rss_mb,  # after each step
         "peak_gpu_mb": (

@@ -85,6 +85,8 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
             assert all(_positive_finite(t) for t in r["step_times_s"]), r["step_times_s"]
             assert _positive_finite(r["peak_rss_mb"]) and _positive_finite(r["shard_fp32_mb"]), r
             assert _positive_finite(r["setup_rss_mb"]) and len(r["step_rss_mb"]) == STEPS, r
+            # Private pages: most of a rank (its tensors), not all (libraries' code is shared).
+            assert 0.5 * r["setup_rss_mb"] < r["setup_private_mb"] < r["setup_rss_mb"], r
             assert all(_positive_finite(m) for m in r["step_rss_mb"]), r["step_rss_mb"]
             assert max(r["setup_rss_mb"], *r["step_rss_mb"]) <= r["peak_rss_mb"] + 1, r
             # the memory launches' ranks really ran with the allocator setting, the others not
@@ -155,10 +157,12 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         assert m.base_copy_mb == pytest.approx(m.shard_fp32_mb, abs=0.01), m
     for m in mem:
         assert math.isfinite(m.extra_mb()) and m.met == (m.extra_mb() <= m.shard_fp32_mb)
+        assert math.isfinite(m.private_extra_mb()), m
 
     report = format_report(bench, cfg)
     assert report.count("ratio") >= 3 and "coordinator process" in report
     assert "MALLOC_MMAP_THRESHOLD_=131072" in report and "extra before the first step" in report
+    assert f"(in private pages {mem[0].private_extra_mb():+.1f} MB)" in report
     assert f"the base copy {mem[0].base_copy_mb:.1f} MB" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
     assert "paired (1 ds_diloco launch(es)" in report
