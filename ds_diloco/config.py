@@ -285,6 +285,15 @@ LR_SCHEDULES = ("constant", "cosine")
 """``train.lr_schedule``: the inner learning rate after the warm-up."""
 
 
+def learner_steps_at(step: int, sync_blocks: int, off_first: bool = False) -> bool:
+    """Whether the learner steps at inner step ``step`` (from 1) of a loop whose syncer is
+    on only in every other block of ``sync_blocks`` steps (``TrainConfig.sync_blocks``; 0:
+    on at every step), the first block off if ``off_first``. The same on every rank."""
+    if not sync_blocks:
+        return True
+    return ((step - 1) // sync_blocks + int(off_first)) % 2 == 0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The inner loop of one island."""
@@ -329,6 +338,10 @@ class TrainConfig:
     """Measurement aid (``bench island``'s paired launches): the learner steps only in every
     other block of this many inner steps, starting with the first; in the blocks between,
     the loop is plain ZeRO-3 (nothing sent or applied). 0: in every step."""
+    sync_blocks_off_first: bool = False
+    """With ``sync_blocks``: the first block is the plain one, the learner steps from the
+    second (the bench alternates the two orders, so that a launch's own warm-up weighs
+    on both sides alike)."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps, and at the last step, into the island's workdir; a restarted island resumes
@@ -349,6 +362,8 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.sync_blocks < 0:
             raise ValueError(f"train.sync_blocks must be >= 0, got {self.sync_blocks}")
+        if self.sync_blocks_off_first and not self.sync_blocks:
+            raise ValueError("train.sync_blocks_off_first needs train.sync_blocks > 0")
         for name in ("steps", "micro_batch", "grad_accum", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco import gc_tuning, zero
-from ds_diloco.config import IslandConfig, TrainConfig
+from ds_diloco.config import IslandConfig, TrainConfig, learner_steps_at
 from ds_diloco.data import (
     BlockLoader,
     Blocks,
@@ -158,7 +158,7 @@ class _NoSync:
 
     stats = None
 
-    def step(self, tokens: int) -> list[int]:
+    def step(self, tokens: int, sync: bool = True) -> list[int]:
         return []
 
     def versions(self) -> list[int]:
@@ -256,8 +256,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         t1 = time.perf_counter()
         mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
         tokens += mine * world
-        on = not t.sync_blocks or (step - 1) // t.sync_blocks % 2 == 0  # the same on every rank
-        applied = learner.step(tokens=mine) if on else []
+        on = learner_steps_at(step, t.sync_blocks, t.sync_blocks_off_first)
+        applied = learner.step(tokens=mine, sync=on)
         t2 = time.perf_counter()
         step_s += t1 - t0
         sync_s += t2 - t1
@@ -329,6 +329,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "stats": vars(learner.stats) if learner.stats else None,
         "plain": plain,
         "sync_blocks": t.sync_blocks,  # bench island's paired launches
+        "sync_blocks_off_first": t.sync_blocks_off_first,
     }
     (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))
     if progress:

@@ -276,10 +276,12 @@ class Learner:
         return time.monotonic() - t0
 
     # ------------------------------------------------------------------ loop
-    def step(self, tokens: int) -> list[int]:
+    def step(self, tokens: int, sync: bool = True) -> list[int]:
         """Call after every ``engine.step()`` with the tokens this rank trained on in it.
 
         Between optimizer steps (gradient accumulation) it only counts the tokens.
+        ``sync=False`` (the same on every rank): the step is noted and nothing else, no
+        send, no apply, its tokens not counted (``bench island``'s syncer-off blocks).
         Returns the fragments applied at this step (the same list on every rank). Raises
         :class:`ds_diloco.Superseded` on every rank at the same step once the island has
         registered again elsewhere (this launch's uploads are refused from then on).
@@ -303,7 +305,7 @@ class Learner:
         self._first = False
         self._seen_step = step
         tokens, self._tokens = self._tokens, 0
-        return self.syncer.on_step(step, tokens)
+        return self.syncer.on_step(step, tokens) if sync else []
 
     def versions(self) -> list[int]:
         """The global version each fragment's local values started from."""

@@ -70,13 +70,13 @@ def tiny_run(tmp_path, tiny_config_path) -> RunConfig:
 def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_config_path):
     cfg = tiny_run(tmp_path, tiny_config_path)
     bench = run_bench(
-        cfg, repeats=1, warmup=2, workdir=tmp_path / "bench", memory_repeats=1, paired=1,
+        cfg, repeats=1, warmup=2, workdir=tmp_path / "bench", memory_repeats=1, paired=2,
         paired_blocks=2,
     )  # fmt: skip
 
     assert [(x.mode, x.exact_memory) for x in bench.launches] == [
-        ("plain", False), ("ds_diloco", False), ("paired", False), ("plain", True),
-        ("ds_diloco", True),
+        ("plain", False), ("ds_diloco", False), ("paired", False), ("paired", False),
+        ("plain", True), ("ds_diloco", True),
     ]  # fmt: skip
     for x in bench.launches:
         assert len(x.ranks) == 2 and [r["rank"] for r in x.ranks] == [0, 1]
@@ -114,20 +114,31 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     assert ds.coordinator_versions is not None and max(ds.coordinator_versions) > 0
     assert all(max(r["versions"]) > 0 and r["stats"]["applied"] > 0 for r in ds.ranks), ds.ranks
     assert ds.coordinator_cpu_s is not None and ds.coordinator_cpu_s >= 0
-    # The paired launch's learner stepped only in its syncer-on blocks (steps 1-2, 5-6 of 8):
-    # at most one upload each (the all-on launch above sends one at every step).
-    paired = bench.of("paired")[0]
-    assert all(r["sync_blocks"] == 2 and r["plain"] is False for r in paired.ranks)
-    assert all(0 < r["stats"]["uploads"] - r["stats"]["flushed"] <= 4 for r in paired.ranks), [
-        r["stats"] for r in paired.ranks
-    ]
-    assert max(paired.coordinator_versions) > 0
+    # The paired launches' learners stepped only in their syncer-on blocks: steps 1-2, 5-6 of
+    # 8 in the first, 3-4, 7-8 in the second (it starts with the syncer off): at most one
+    # upload each (the all-on launch above sends one at every step).
+    paired = bench.of("paired")
+    assert [x.off_first for x in paired] == [False, True]
+    for x in paired:
+        assert all(r["sync_blocks"] == 2 and r["plain"] is False for r in x.ranks)
+        assert all(r["sync_blocks_off_first"] == x.off_first for r in x.ranks)
+        assert all(0 < r["stats"]["uploads"] - r["stats"]["flushed"] <= 4 for r in x.ranks), [
+            r["stats"] for r in x.ranks
+        ]
+        assert max(x.coordinator_versions) > 0
     pr = bench.paired()
-    assert pr["launches"] == 1 and (pr["blocks"], pr["settle"]) == (2, 1)
-    # block starts dropped, and warm-up: steps 6 (on) and 4, 8 (off) are compared
-    times = [max(s) for s in zip(*(r["step_times_s"] for r in paired.ranks))]
-    assert pr["on_s"] == times[5] and pr["off_s"] == statistics.median([times[3], times[7]])
-    assert pr["ratio"] == pytest.approx(pr["on_s"] / pr["off_s"])
+    assert pr["launches"] == 2 and (pr["blocks"], pr["settle"]) == (2, 1)
+    # Block starts dropped, and warm-up: steps 6 (on) and 4, 8 (off) are compared in the
+    # first launch, steps 4, 8 (on) and 6 (off) in the second.
+    first, second = ([max(s) for s in zip(*(r["step_times_s"] for r in x.ranks))] for x in paired)
+    on_off = [
+        (first[5], statistics.median([first[3], first[7]])),
+        (statistics.median([second[3], second[7]]), second[5]),
+    ]
+    assert [(x.block_step_s(True), x.block_step_s(False)) for x in paired] == on_off
+    assert pr["ratios"] == pytest.approx([a / b for a, b in on_off])
+    assert pr["ratio"] == pytest.approx(statistics.median(pr["ratios"]))
+    assert (pr["ratio_on_first"], pr["ratio_off_first"]) == tuple(pr["ratios"])
     # The same job on both sides: the same shard of the same model on each rank.
     assert [r["shard_fp32_mb"] for r in plain.ranks] == [r["shard_fp32_mb"] for r in ds.ranks]
 
@@ -165,9 +176,11 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     assert f"(in private pages {mem[0].private_extra_mb():+.1f} MB)" in report
     assert f"the base copy {mem[0].base_copy_mb:.1f} MB" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
-    assert "paired (1 ds_diloco launch(es)" in report
+    assert "paired (2 ds_diloco launch(es)" in report
+    assert f"{pr['ratios'][1]:.3f} (off first)" in report
+    assert f"syncer on first {pr['ratios'][0]:.3f}, off first {pr['ratios'][1]:.3f}" in report
     assert summary["paired"]["ratio"] == pr["ratio"]
-    assert len(summary["launches"]) == 5 and len(summary["rows"]) == 3
+    assert len(summary["launches"]) == 6 and len(summary["rows"]) == 3
     assert len(summary["memory_rows"]) == 3 and summary["settings"]["memory_repeats"] == 1
 
 

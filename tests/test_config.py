@@ -25,7 +25,9 @@ from ds_diloco.config import (
     DataConfig,
     IslandConfig,
     ModelSource,
+    TrainConfig,
     from_dict,
+    learner_steps_at,
     load_coordinator_config,
     load_island_config,
     load_run_config,
@@ -895,3 +897,17 @@ def test_cli_missing_config_file(tmp_path, capsys, no_serving):
     err = capsys.readouterr().err
     assert err.startswith("ds-diloco: error: config file ")
     assert "does not exist" in err
+
+
+def test_the_learner_steps_in_every_other_block_from_the_first_or_the_second():
+    assert all(learner_steps_at(step, 0) for step in range(1, 9))  # no blocks: every step
+    assert [learner_steps_at(step, 2) for step in range(1, 9)] == [1, 1, 0, 0, 1, 1, 0, 0]
+    assert [learner_steps_at(step, 2, off_first=True) for step in range(1, 9)] == [
+        0, 0, 1, 1, 0, 0, 1, 1,
+    ]  # fmt: skip
+    assert [learner_steps_at(step, 3, off_first=True) for step in range(1, 8)] == [
+        0, 0, 0, 1, 1, 1, 0,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"sync_blocks_off_first needs train\.sync_blocks > 0"):
+        TrainConfig(sync_blocks_off_first=True)
+    assert TrainConfig(sync_blocks=4, sync_blocks_off_first=True).sync_blocks_off_first

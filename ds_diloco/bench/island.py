@@ -25,7 +25,12 @@ On this machine the same plain launch's median step moves by 5-20 % from launch 
 launch (450-560 ms within one run), more than the goal. ``paired`` launches (``--paired``,
 after the timed ones) put both sides in one launch: the learner steps only in every other
 block of ``--paired-blocks`` inner steps, and the blocks between run the plain ZeRO-3
-loop (nothing sent or applied; the syncer's threads wait idle). Each block's first tau + 1
+loop (nothing sent or applied; the syncer's threads wait idle). Every other paired launch
+starts with a syncer-off block: a launch's first timed steps are slower in plain launches
+too (its own warm-up: about 4 ms a step over steps 4-10 here), and with the syncer always
+on first they weighed on its side alone; the report gives both orders' medians apart,
+the syncer's own start-up (first sends, merges, applies) stays in its first on-block
+whichever comes first. Each block's first tau + 1
 steps are dropped on both sides (the other side's downloads, merges and catch-up applies
 still running), then the island's median step in the syncer-on blocks is divided by the
 median in the off blocks, per launch. The process is the same on both sides (the base
@@ -88,6 +93,7 @@ from ds_diloco.config import (
     ModelSource,
     RunConfig,
     TrainConfig,
+    learner_steps_at,
     load_run_config,
 )
 from ds_diloco.merge import StalenessPolicy
@@ -193,6 +199,9 @@ class Launch:
     settle: int = 0
     """A paired launch: steps dropped at the start of every block (the other side's
     background work still running: downloads and merges of the last sends)."""
+    off_first: bool = False
+    """A paired launch whose first block is the syncer-off one (every other paired launch:
+    the launch's own warm-up then weighs on both sides alike)."""
 
     def block_step_s(self, on: bool) -> float:
         """A paired launch: median island step time in its syncer-on (or -off) blocks,
@@ -201,7 +210,7 @@ class Launch:
         picked = [
             t for i, t in enumerate(times)
             if i >= self.warmup and i % self.blocks >= self.settle
-            and (i // self.blocks % 2 == 0) == on
+            and learner_steps_at(i + 1, self.blocks, self.off_first) == on
         ]  # fmt: skip
         return statistics.median(picked)
 
@@ -241,6 +250,7 @@ class Launch:
             "exact_memory": self.exact_memory,
             "blocks": self.blocks,
             "settle": self.settle,
+            "off_first": self.off_first,
             "ranks": self.ranks,
         }
 
@@ -293,6 +303,7 @@ def launch(
     coordinator_nice: int = 0,
     exact_memory: bool = False,
     blocks: int = PAIRED_BLOCK_STEPS,
+    off_first: bool = False,
 ) -> Launch:
     """Run ``cfg``'s first island once in ``mode`` (``plain``, ``ds_diloco`` or ``paired``:
     ds_diloco with the learner stepping in every other block of ``blocks`` steps), fresh.
@@ -304,7 +315,8 @@ def launch(
         raise ValueError(f"mode must be one of {(*MODES, PAIRED)}, got {mode!r}")
     plain = mode == "plain"
     if mode == PAIRED:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sync_blocks=blocks))
+        train = dataclasses.replace(cfg.train, sync_blocks=blocks, sync_blocks_off_first=off_first)
+        cfg = dataclasses.replace(cfg, train=train)
     spec = cfg.islands[0]
     cfg = dataclasses.replace(
         cfg,
@@ -365,6 +377,7 @@ def launch(
         exact_memory=exact_memory,
         blocks=blocks if mode == PAIRED else 0,
         settle=min(blocks - 1, cfg.coordinator.policy.tau + 1) if mode == PAIRED else 0,
+        off_first=off_first and mode == PAIRED,
     )
 
 
@@ -516,6 +529,11 @@ class IslandBench:
         on, off = [x.block_step_s(True) for x in runs], [x.block_step_s(False) for x in runs]
         ratios = [a / b for a, b in zip(on, off)]
         ratio = statistics.median(ratios)
+
+        def by_order(off_first: bool) -> float | None:  # the order effect, shown apart
+            picked = [r for r, x in zip(ratios, runs) if x.off_first == off_first]
+            return statistics.median(picked) if picked else None
+
         return {
             "launches": len(runs),
             "blocks": runs[0].blocks,
@@ -524,6 +542,9 @@ class IslandBench:
             "off_s": statistics.median(off),
             "ratio": ratio,
             "ratios": ratios,
+            "off_first": [x.off_first for x in runs],
+            "ratio_on_first": by_order(False),
+            "ratio_off_first": by_order(True),
             "met": ratio <= STEP_GOAL,
         }
 
@@ -675,7 +696,7 @@ def run_bench(
                 x = launch(
                     cfg, mode, root / f"{r}-{mode}{'-memory' if exact else ''}", repeat=r,
                     warmup=warmup, coordinator_nice=coordinator_nice, exact_memory=exact,
-                    blocks=paired_blocks,
+                    blocks=paired_blocks, off_first=mode == PAIRED and r % 2 == 1,
                 )  # fmt: skip
                 launches.append(x)
                 if echo:
@@ -818,9 +839,18 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
             f"    island  syncer off {_ms(pr['off_s'])}  on {_ms(pr['on_s'])} (medians over "
             f"launches)  ratio on / off, median of the launches' own: "
             f"{pr['ratio']:.3f}  ({'met' if pr['met'] else 'MISSED'})  [per launch: "
-            + ", ".join(f"{r:.3f}" for r in pr["ratios"])
+            + ", ".join(
+                f"{r:.3f}{' (off first)' if o else ''}"
+                for r, o in zip(pr["ratios"], pr["off_first"])
+            )
             + "]"
         )
+        if pr["ratio_on_first"] is not None and pr["ratio_off_first"] is not None:
+            lines.append(
+                f"    by the order of the blocks (every other launch starts with the syncer off, "
+                f"so that the launch's own warm-up weighs on both sides): syncer on first "
+                f"{pr['ratio_on_first']:.3f}, off first {pr['ratio_off_first']:.3f} (medians)"
+            )
     lines.extend(_memory_lines(bench, rows))
     lines.append(
         "where the overhead goes (means per step over all steps, warm-up included; medians "
