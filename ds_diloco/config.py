@@ -336,8 +336,9 @@ class TrainConfig:
     """Sleep this long after every inner step (benchmarks: a slower island)."""
     sync_blocks: int = 0
     """Measurement aid (``bench island``'s paired launches): the learner steps only in every
-    other block of this many inner steps, starting with the first; in the blocks between,
-    the loop is plain ZeRO-3 (nothing sent or applied). 0: in every step."""
+    other block of this many inner steps, starting with the first (the second with
+    ``sync_blocks_off_first``); in the blocks between, the loop is plain ZeRO-3 (nothing
+    sent or applied). 0: in every step."""
     sync_blocks_off_first: bool = False
     """With ``sync_blocks``: the first block is the plain one, the learner steps from the
     second (the bench alternates the two orders, so that a launch's own warm-up weighs

@@ -115,7 +115,8 @@ PAIRED = "paired"
 """A ds_diloco launch whose learner steps only in every other block of inner steps
 (``train.sync_blocks``): both sides of the comparison in one launch, step by step."""
 PAIRED_BLOCK_STEPS = 10
-"""``--paired``: inner steps per block; blocks alternate, syncer on, syncer off."""
+"""``--paired``: inner steps per block; blocks alternate, syncer on and off (every other
+launch starts with the off one)."""
 EXACT_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 """glibc: every allocation of 128 KiB or more is a mapping of its own, returned to the
 system when freed. By default the threshold adapts upwards (to 32 MiB) and freed
@@ -195,7 +196,8 @@ class Launch:
     exact_memory: bool = False
     """A memory launch (``EXACT_MEMORY_ENV``): its memory figures count, not its times."""
     blocks: int = 0
-    """A paired launch: inner steps per block (syncer on, off, on, ...)."""
+    """A paired launch: inner steps per block (syncer on, off, on, ...; off first where
+    ``off_first``)."""
     settle: int = 0
     """A paired launch: steps dropped at the start of every block (the other side's
     background work still running: downloads and merges of the last sends)."""
