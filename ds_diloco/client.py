@@ -27,6 +27,7 @@ on a new one), and a failure after the bytes went is raised, not sent again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
@@ -37,7 +38,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 import torch
@@ -427,12 +428,61 @@ class CoordinatorClient:
             header, _ = wire.read_fragment_into(_Whole(r), length, dest, keep=keep)
         _check_fragment(header, r.headers, fragment, world_size, rank)
         if info is not None:
-            ago = _opened_ago(r.headers)
-            info["epoch"], info["unchanged"] = header.epoch, header.unchanged_names()
-            info["bytes"] = length
-            if ago is not None:
-                info["opened_ago_s"] = ago
+            _download_info(info, header, r.headers, length)
         return header.version
+
+    def download_next(
+        self,
+        known: Sequence[int],
+        world_size: int,
+        rank: int,
+        dests: Sequence[Mapping[str, torch.Tensor]],
+        claim: Callable[[int], bool],
+        wait: float,
+        island: str | None = None,
+        keep: Sequence[Collection[str]] = (),
+        epoch: str = "",
+        info: dict | None = None,
+    ) -> NextFragment:
+        """The long poll that answers with a download: once some fragment i is newer than
+        ``known[i]`` (-1: any version; a version no fragment reaches: not waited for), its
+        body is read straight into ``dests[i]`` -- one request where a version poll and a
+        download took two (and two round trips).
+
+        ``claim(i)`` is called once the answer names fragment i, before any of its body is
+        read: True lets it be read into ``dests[i]`` (the caller may take a lock there, for
+        the fragment alone); False drops it (the connection is closed, the body unread).
+        ``keep[i]``: as :meth:`download_into`'s ``keep``, the slices ``dests[i]`` holds at
+        ``known[i]`` of the coordinator process ``epoch``. ``info`` gets what
+        :meth:`download_into` gives. On an error after ``claim`` the caller must not use
+        ``dests[i]``: it may hold part of the body.
+        """
+        params = {"known": ",".join(map(str, known)), "wait": wait}
+        params.update(_fragment_query(world_size, rank, None, island))
+        keep = list(keep) or [()] * len(dests)
+        masks = [wire.keep_mask(list(d), k) if k else "" for d, k in zip(dests, keep)]
+        offered = bool(epoch) and any(masks)
+        if offered:
+            params.update(keep=",".join(masks), epoch=epoch)
+        r = self._open("GET", "/v1/fragments", params=params)
+        with self._reading():
+            if r.status == 304:
+                r.read()
+                return NextFragment(versions=_versions_header(r.headers, len(known)))
+            fragment = _fragment_header(r.headers, len(known))
+            try:
+                length = int(r.headers["Content-Length"])
+            except (KeyError, ValueError):
+                raise wire.WireError("download without a Content-Length") from None
+            if not claim(fragment):
+                self._conn().close()  # its body is not wanted now: not read at all
+                return NextFragment(fragment=fragment)
+            kept = keep[fragment] if offered else ()
+            header, _ = wire.read_fragment_into(_Whole(r), length, dests[fragment], keep=kept)
+        _check_fragment(header, r.headers, fragment, world_size, rank)
+        if info is not None:
+            _download_info(info, header, r.headers, length)
+        return NextFragment(fragment=fragment, version=header.version)
 
 
 def _fragment_query(world_size: int, rank: int, after: int | None, island: str | None) -> dict:
@@ -442,6 +492,48 @@ def _fragment_query(world_size: int, rank: int, after: int | None, island: str |
     if island:
         params["island"] = island
     return params
+
+
+@dataclasses.dataclass
+class NextFragment:
+    """What :meth:`CoordinatorClient.download_next` got."""
+
+    fragment: int | None = None
+    """The fragment that came (None: none was newer within the wait)."""
+    version: int | None = None
+    """Its version, read into its destination (None: not read, ``claim`` said no)."""
+    versions: list[int] | None = None
+    """When none came: every fragment's version, as the coordinator answered."""
+
+
+def _download_info(info: dict, header, headers, length: int) -> None:
+    ago = _opened_ago(headers)
+    info["epoch"], info["unchanged"] = header.epoch, header.unchanged_names()
+    info["bytes"] = length
+    if ago is not None:
+        info["opened_ago_s"] = ago
+
+
+def _fragment_header(headers, count: int) -> int:
+    raw = headers.get(wire.FRAGMENT_HEADER, "")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= count:
+        raise wire.WireError(
+            f"download: {wire.FRAGMENT_HEADER} must name one of {count} fragments, got {raw!r}"
+        )
+    return int(raw)
+
+
+def _versions_header(headers, count: int) -> list[int]:
+    raw = headers.get(wire.VERSIONS_HEADER, "")
+    try:
+        versions = [int(v) for v in raw.split(",")]
+    except ValueError:
+        versions = []
+    if len(versions) != count:
+        raise wire.WireError(
+            f"not modified: {wire.VERSIONS_HEADER} must list {count} versions, got {raw[:80]!r}"
+        )
+    return versions
 
 
 def _opened_ago(headers) -> float | None:

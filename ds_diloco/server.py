@@ -150,6 +150,7 @@ class CoordinatorServer:
                 web.delete("/v1/islands/{island}", self.leave),
                 web.post("/v1/islands/{island}/start", self.island_start),
                 web.post("/v1/upload", self.upload),
+                web.get("/v1/fragments", self.next_fragment),
                 web.get("/v1/fragments/{fragment}", self.download),
             ]
         )
@@ -227,31 +228,42 @@ class CoordinatorServer:
         if island:
             self.coord.touch(island)
         if "known" in request.query:
-            try:
-                known = [int(v) for v in request.query["known"].split(",")]
-                wait = float(request.query.get("wait", 0))
-                if math.isnan(wait):  # never <= 0: the poll would never end
-                    raise ValueError
-            except ValueError:
-                raise CoordinatorError(400, "versions: known=v0,v1,... and wait=seconds") from None
-            wait = min(max(wait, 0.0), _MAX_WAIT_S)
-            if len(known) != len(self.coord.versions()):
-                raise CoordinatorError(
-                    400, f"versions: known has {len(known)} entries, there are "
-                    f"{len(self.coord.versions())} fragments"
-                )  # fmt: skip
-
-            def newer():
-                return any(v > k for v, k in zip(self.coord.versions(), known))
-
-            deadline = asyncio.get_running_loop().time() + wait
-            while not newer() and not self._closing:  # long poll: no traffic meanwhile
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._published.wait(), left)
+            known, wait = self._long_poll_query(request, "versions")
+            await self._wait_newer(known, wait)
         return web.json_response({"versions": self.coord.versions()})
+
+    def _long_poll_query(self, request, what: str) -> tuple[list[int], float]:
+        """``known`` (one version per fragment) and ``wait`` (seconds, capped) of a long poll."""
+        try:
+            known = [int(v) for v in request.query["known"].split(",")]
+            wait = float(request.query.get("wait", 0))
+            if math.isnan(wait):  # never <= 0: the poll would never end
+                raise ValueError
+        except (KeyError, ValueError):
+            raise CoordinatorError(400, f"{what}: known=v0,v1,... and wait=seconds") from None
+        if len(known) != len(self.coord.versions()):
+            raise CoordinatorError(
+                400, f"{what}: known has {len(known)} entries, there are "
+                f"{len(self.coord.versions())} fragments"
+            )  # fmt: skip
+        return known, min(max(wait, 0.0), _MAX_WAIT_S)
+
+    async def _wait_newer(self, known: list[int], wait: float) -> list[int]:
+        """The fragments whose version is newer than ``known`` (by index), once there is one
+        or ``wait`` seconds have passed (then none): a long poll, no traffic meanwhile."""
+
+        def newer():
+            return [i for i, (v, k) in enumerate(zip(self.coord.versions(), known)) if v > k]
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while not (found := newer()) and not self._closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._published.wait(), left)
+        return found
 
     async def register(self, request):
         try:
@@ -371,8 +383,7 @@ class CoordinatorServer:
     async def download(self, request):
         try:
             fragment = int(request.match_info["fragment"])
-            world_size = int(request.query["world_size"])
-            rank = int(request.query["rank"])
+            world_size, rank = self._rank_query(request)
             after = int(request.query["after"]) if "after" in request.query else None
         except (KeyError, ValueError):
             raise CoordinatorError(
@@ -389,7 +400,49 @@ class CoordinatorServer:
         )  # fmt: skip
         if body is None:
             return web.Response(status=304, headers={VERSION_HEADER: str(after)})
-        headers = {VERSION_HEADER: str(version)}
+        return await self._send_fragment(request, fragment, version, body)
+
+    async def next_fragment(self, request):
+        """The first fragment newer than ``known``, once there is one (a long poll that
+        answers with the download itself: the version poll and the download in one
+        request); 304 with every version (``VERSIONS_HEADER``) if none came in ``wait``.
+
+        ``known[i]``: the version the rank holds (-1: any version), or a version no fragment
+        reaches for one it is not waiting for. ``keep=M0,M1,...``: per fragment, the
+        slices to leave out if unchanged since ``known[i]`` of process ``epoch``."""
+        try:
+            world_size, rank = self._rank_query(request)
+        except (KeyError, ValueError):
+            raise CoordinatorError(
+                400, "next fragment: need ?known=V0,V1,...&wait=S&world_size=W&rank=R (and "
+                "optional keep=M0,M1,..., epoch=E)"
+            ) from None  # fmt: skip
+        known, wait = self._long_poll_query(request, "next fragment")
+        keep = request.query.get("keep", "")
+        keeps = keep.split(",") if keep else [""] * len(known)
+        if len(keeps) != len(known):
+            raise CoordinatorError(
+                400, f"next fragment: keep has {len(keeps)} masks for {len(known)} fragments"
+            )
+        if request.query.get("island"):
+            self.coord.touch(request.query["island"])
+        for fragment in await self._wait_newer(known, wait):
+            after = known[fragment] if known[fragment] >= 0 else None
+            version, body = self.coord.download(
+                fragment, world_size, rank, after, keep=keeps[fragment],
+                epoch=request.query.get("epoch", ""),
+            )  # fmt: skip
+            if body is not None:  # (always, unless it went back since: a restore)
+                return await self._send_fragment(request, fragment, version, body)
+        versions = ",".join(map(str, self.coord.versions()))
+        return web.Response(status=304, headers={wire.VERSIONS_HEADER: versions})
+
+    @staticmethod
+    def _rank_query(request) -> tuple[int, int]:
+        return int(request.query["world_size"]), int(request.query["rank"])
+
+    async def _send_fragment(self, request, fragment: int, version: int, body: wire.Body):
+        headers = {VERSION_HEADER: str(version), wire.FRAGMENT_HEADER: str(fragment)}
         ago = self.coord.opened_ago(fragment, version)
         if ago is not None:
             headers[wire.OPENED_AGO_HEADER] = str(ago)

@@ -13,7 +13,8 @@ on a GPU, the copies between it and the base run in the transport threads
 (``device_copies``: a send's slices are copied on the GPU and subtracted by the upload
 thread, at most one fragment at a time; a merged fragment is copied to the GPU by the
 download thread ahead of its apply). Uploads
-and the wait for the merged result run in a background thread: the training loop
+and the wait for the merged result (one long poll whose answer is the merged fragment
+itself, ``GET /v1/fragments``) run in background threads: the training loop
 calls :meth:`FragmentSyncer.on_step` after each inner step and never blocks on
 the network. A merged fragment is applied at the first step boundary at or
 after ``send step + tau`` once it has arrived; until then training goes on.
@@ -796,57 +797,119 @@ class FragmentSyncer:
                     after=after, island=self.island, info=info, keep=self._frozen[frag.index],
                     epoch=slot.epoch if after == slot.version else "",
                 )  # fmt: skip
-                problem = None
-                if version is not None:  # (the ones left out were checked when they came)
-                    left_out = set(info.get("unchanged", ()))
-                    bad = [
-                        n
-                        for n, t in _received(slot).items()
-                        if n not in left_out and not _all_finite(t)
-                    ]
-                    problem = f"{bad[0]}: NaN or Inf" if bad else None
-            except (RefusedError, wire.WireError) as e:
-                version, problem = None, str(e)
-                torn = isinstance(e, wire.WireError)  # a refusal comes before any byte
-            except Exception as e:  # unreachable, or cut short by close(): try again later
-                self._fetch_error = f"the coordinator did not answer: {e}"
-                if not self._woken_by_close():
-                    self.stats.failed += 1
-                    log.warning(
-                        "%s/%d download of fragment %d failed: %s",
-                        self.island,
-                        self.rank,
-                        frag.index,
-                        e,
-                    )
-                version, problem = None, None
-                torn = True
-            else:
+            except Exception as e:
+                return self._took(frag, slot, None, info, e)
+            return self._took(frag, slot, version, info)
+
+    def _fetch_next(self, wanted: list[int | None]) -> list[int] | None:
+        """One long poll for every fragment in ``wanted`` (see :meth:`_wanted`) that answers
+        with the first one newer: its body is read into its slot's base, whose lock is
+        taken only once the answer names it (a send never finds the slot locked while the
+        poll waits). Returns every fragment's version when none came within the wait (the
+        caller checks for versions that went back), else None. Raises when the poll
+        itself failed (no fragment named yet)."""
+        self._count_network_call()
+        known = [_NEVER if w is None else w for w in wanted]
+        epoch = next((s.epoch for s in self.slots if s.epoch), "")
+        keep = [  # frozen slices held at the version asked after: left out if unchanged
+            self._frozen[f.index] if w is not None and w == s.version >= 0 and s.epoch == epoch
+            else ()
+            for f, s, w in zip(self.plan.fragments, self.slots, wanted)
+        ]  # fmt: skip
+        dests = [_Dest(s, self._sizes[f.index]) for f, s in zip(self.plan.fragments, self.slots)]
+        claimed: list[int] = []
+
+        def claim(i: int) -> bool:  # the answer is fragment i: take its slot, if still wanted
+            self.slots[i].lock.acquire()
+            claimed.append(i)
+            if self._wanted()[i] != known[i]:  # a send took it meanwhile: not now
+                return False
+            self._prefetch.drop(i)
+            return True
+
+        info: dict = {}
+        try:
+            got = self.client.download_next(
+                known, self.world_size, self.rank, dests, claim, self.long_poll_s,
+                island=self.island, keep=keep, epoch=epoch, info=info,
+            )  # fmt: skip
+        except Exception as e:
+            if not claimed:
+                raise
+            i = claimed[0]
+            try:
+                self._took(self.plan.fragments[i], self.slots[i], None, info, e)
+            finally:
+                self.slots[i].lock.release()
+            return None
+        if claimed:
+            i = claimed[0]
+            try:
+                if got.version is not None:
+                    self._took(self.plan.fragments[i], self.slots[i], got.version, info)
+            finally:
+                self.slots[i].lock.release()
+            return None
+        return got.versions
+
+    def _took(
+        self, frag: Fragment, slot: _Slot, version: int | None, info: dict,
+        error: Exception | None = None,
+    ) -> bool:  # fmt: skip
+        """After a download into ``slot.base`` (``slot.lock`` held): check it and record
+        the version that came (``version``; None: not newer), or mark the slot torn when
+        the answer was bad or cut short (``error``). True if a usable version came."""
+        problem = None
+        if error is None:
+            torn = False
+            if version is not None:  # (the ones left out were checked when they came)
+                left_out = set(info.get("unchanged", ()))
+                bad = [
+                    n
+                    for n, t in _received(slot).items()
+                    if n not in left_out and not _all_finite(t)
+                ]
+                problem = f"{bad[0]}: NaN or Inf" if bad else None
                 torn = problem is not None
-            if version is not None and not torn:
-                self._prefetch.copy(frag.index, _received(slot), version)
-            if problem is not None:  # never applied: the base is fetched again whole
-                self._fetch_error = f"bad answer for fragment {frag.index}: {problem}"
-                self.stats.bad_responses += 1
-                log.error(
-                    "%s/%d bad answer for fragment %d: %s",
+        elif isinstance(error, (RefusedError, wire.WireError)):
+            version, problem = None, str(error)
+            torn = isinstance(error, wire.WireError)  # a refusal comes before any byte
+        else:  # unreachable, or cut short by close(): try again later
+            self._fetch_error = f"the coordinator did not answer: {error}"
+            if not self._woken_by_close():
+                self.stats.failed += 1
+                log.warning(
+                    "%s/%d download of fragment %d failed: %s",
                     self.island,
                     self.rank,
                     frag.index,
-                    problem,
+                    error,
                 )
-            with self._lock:
-                if torn:
-                    slot.version, slot.holds_upload = -1, False
-                    slot.epoch, slot.incoming = "", {}  # fetched again whole
-                elif version is not None:
-                    slot.version, slot.refetch, slot.holds_upload = version, False, False
-                    slot.epoch = info.get("epoch", "")
-                    self.stats.unchanged += len(info.get("unchanged", ()))
-                    self.stats.bytes_received += info.get("bytes", 0)
-                    ago = info.get("opened_ago_s")
-                    slot.opened_t = None if ago is None else time.perf_counter() - ago
-            return version is not None and not torn
+            version, torn = None, True
+        if version is not None and not torn:
+            self._prefetch.copy(frag.index, _received(slot), version)
+        if problem is not None:  # never applied: the base is fetched again whole
+            self._fetch_error = f"bad answer for fragment {frag.index}: {problem}"
+            self.stats.bad_responses += 1
+            log.error(
+                "%s/%d bad answer for fragment %d: %s",
+                self.island,
+                self.rank,
+                frag.index,
+                problem,
+            )
+        with self._lock:
+            if torn:
+                slot.version, slot.holds_upload = -1, False
+                slot.epoch, slot.incoming = "", {}  # fetched again whole
+            elif version is not None:
+                slot.version, slot.refetch, slot.holds_upload = version, False, False
+                slot.epoch = info.get("epoch", "")
+                self.stats.unchanged += len(info.get("unchanged", ()))
+                self.stats.bytes_received += info.get("bytes", 0)
+                ago = info.get("opened_ago_s")
+                slot.opened_t = None if ago is None else time.perf_counter() - ago
+        return version is not None and not torn
 
     # ---------------------------------------------------------- network side
     def _uploader(self) -> None:
@@ -970,33 +1033,28 @@ class FragmentSyncer:
             last_contact = time.monotonic()
             # Only fragments we wait for may end the long poll: another island's merge of
             # a fragment we are not waiting for must not wake us (that would spin).
-            known = [_NEVER if w is None else w for w in wanted]
-            try:  # long poll: returns at once when a fragment we wait for is newer
-                current = self.client.versions(self.island, known=known, wait=self.long_poll_s)
+            try:  # answers at once with the first fragment we wait for that is newer
+                current = self._fetch_next(wanted)
             except Exception as e:
                 if self._woken_by_close():
                     break
                 self.stats.failed += 1
-                log.warning("%s/%d versions: %s", self.island, self.rank, e)
+                log.warning("%s/%d long poll for fragments: %s", self.island, self.rank, e)
                 self._stop.wait(self.poll_s)
                 continue
-            if len(current) != len(self.slots):  # not this plan's answer: ask for every one
-                current = [_NEVER] * len(self.slots)
-            # Only what the answer says is newer: a request per fragment still waiting (an
-            # answer "not modified") would cost both sides CPU on every step.
+            if current is None:  # one came (or was dropped): ask again, for the next
+                continue
+            # None newer: only a version older than ours is left to take.
             for frag, slot, w in zip(self.plan.fragments, self.slots, self._wanted()):
                 if self._stop.is_set():
                     break
-                if w is None or 0 <= w == current[frag.index]:  # nothing new to fetch
-                    continue
-                if 0 <= current[frag.index] < w:  # older than ours: the coordinator went back
+                if w is not None and 0 <= current[frag.index] < w:  # the coordinator went back
                     log.warning(
                         "%s/%d the coordinator holds version %d of fragment %d, older than "
                         "this island's %d (its state was restored or lost?): taking it",
                         self.island, self.rank, current[frag.index], frag.index, w,
                     )  # fmt: skip
-                    w = -1
-                self._fetch(frag, slot, after=None if w < 0 else w)
+                    self._fetch(frag, slot, after=None)
 
     def _woken_by_close(self) -> bool:
         """In the downloader: close() has stopped it (a request it cut short is no failure)."""

@@ -28,6 +28,11 @@ OPENED_AGO_HEADER = "X-DS-Diloco-Opened-Ago"
 """HTTP header of a download, when known: seconds since the round that made its version
 got its first contribution (an island that applies it instead of sending learns how late
 it is, as a stale upload's ``late_s`` tells)."""
+FRAGMENT_HEADER = "X-DS-Diloco-Fragment"
+"""HTTP header of a download: which fragment it is (``GET /v1/fragments``, the long poll
+that answers with a download, says so before its body)."""
+VERSIONS_HEADER = "X-DS-Diloco-Versions"
+"""HTTP header of a ``304`` from that long poll: every fragment's version, comma-separated."""
 _INTEGER = re.compile(r"-?[0-9]{1,4000}")  # longer: int() refuses (its digit limit)
 _HEX = re.compile(r"[0-9a-f]{1,4000}")
 

@@ -8,6 +8,7 @@ The expected global model is computed here with plain tensors and torch's SGD.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 
@@ -24,6 +25,7 @@ from ds_diloco.merge import StalenessPolicy, merge_reference
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
+from ds_diloco.sharding import shard_numel
 
 TOKEN = "test-token"
 LR, MOMENTUM = 0.7, 0.9
@@ -249,6 +251,65 @@ def test_download_serves_each_ranks_zero3_slice(server):
                 joined = torch.cat([slices[p.name] for _, slices in parts])
                 assert torch.equal(joined, full[p.name].reshape(-1)), (world_size, p.name)
     assert client.download(0, 2, 1, after=0) is None  # not newer than what the island holds
+
+
+def _rank_dests(plan, world_size, rank):
+    """Zeroed destinations for every fragment's slices of one rank, in wire order."""
+    return [
+        {p.name: torch.zeros(shard_numel(p.numel, world_size, rank)) for p in frag.params}
+        for frag in plan.fragments
+    ]
+
+
+def test_the_long_poll_for_fragments_answers_with_the_first_newer_one(server):
+    # GET /v1/fragments: the version poll and the download in one request. Nothing is
+    # newer than the versions 0 the coordinator starts at: 304 after the wait, with every
+    # version; -1 asks for any version: the first such fragment comes at once, whole.
+    client = client_for(server)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    never = 2**62
+    dests = _rank_dests(plan, 2, 1)
+    claimed = []
+
+    def claim(i):
+        claimed.append(i)
+        return True
+
+    t0 = time.perf_counter()
+    got = client.download_next([0, 0, 0, 0], 2, 1, dests, claim, wait=0.3)
+    assert got.fragment is None and got.versions == [0, 0, 0, 0] and claimed == []
+    assert time.perf_counter() - t0 >= 0.25  # it waited
+    info: dict = {}
+    got = client.download_next([never, -1, 0, -1], 2, 1, dests, claim, wait=5.0, info=info)
+    assert (got.fragment, got.version, claimed) == (1, 0, [1])
+    assert info["bytes"] > 0 and info["unchanged"] == []
+    _, want = client.download(1, 2, 1)
+    assert all(torch.equal(dests[1][n], want[n]) for n in want)
+    assert all(not t.any() for t in dests[0].values())  # only the fragment that came
+    # Refused by the caller once named: the body is not read, the connection is closed,
+    # and the next request goes through.
+    fresh = _rank_dests(plan, 2, 1)
+    got = client.download_next([-1] * 4, 2, 1, fresh, lambda i: False, wait=1.0)
+    assert (got.fragment, got.version) == (0, None)
+    assert all(not t.any() for d in fresh for t in d.values())
+    got = client.download_next([-1] * 4, 2, 1, fresh, claim, wait=1.0)
+    assert (got.fragment, got.version) == (0, 0) and claimed == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("known=0,0&wait=1&world_size=1&rank=0", "known has 2 entries, there are 4"),
+        ("known=0,0,0,0&wait=x&world_size=1&rank=0", "known=v0,v1,... and wait=seconds"),
+        ("known=0,0,0,0&wait=1&rank=0", "need ?known=V0,V1,...&wait=S&world_size=W"),
+        ("known=0,0,0,0&wait=1&world_size=1&rank=0&keep=1,,&epoch=e", "keep has 3 masks"),
+        ("known=-1,0,0,0&wait=1&world_size=1&rank=3", "rank 3 is outside world size 1"),
+    ],
+)
+def test_a_bad_long_poll_for_fragments_is_refused_naming_the_problem(server, query, message):
+    with pytest.raises(RefusedError, match=re.escape(message)) as e:
+        client_for(server)._request("GET", f"/v1/fragments?{query}")
+    assert e.value.status in (400, 422)
 
 
 def test_restart_resumes_versions_values_and_momentum(tiny_config_path, tmp_path):

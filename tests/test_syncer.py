@@ -648,9 +648,12 @@ class _CorruptingProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 r = requests.request(method, target + self.path, data=body, headers=headers)
                 data = r.content
-                spoil = "/v1/fragments/" in self.path and r.status_code == 200
-                spoil = spoil and "after=" in self.path and proxy.spoiled < bad
-                if "/v1/fragments/" in self.path and proxy.hold.is_set():
+                # A fragment's download (the long poll that answers with one, or a
+                # single fragment's), past the one that started the island.
+                fragment = self.path.startswith("/v1/fragments")
+                spoil = fragment and r.status_code == 200 and proxy.spoiled < bad
+                spoil = spoil and ("after=" in self.path or "known=" in self.path)
+                if fragment and proxy.hold.is_set():
                     self.send_error(503)
                     return
                 if spoil:
@@ -1088,23 +1091,33 @@ def test_keep_local_steps_loses_none_of_the_steps_trained_while_a_result_was_on_
 
 
 class _CountingClient(CoordinatorClient):
-    """A real client that also records which fragments it was asked to download."""
+    """A real client that also records the fragments it downloaded: ``fetches`` all of
+    them, ``single`` those asked for one by one (not with the long poll)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.fetches: list[int] = []
+        self.single: list[int] = []
 
     def download_into(self, fragment, *a, **kw):
         self.fetches.append(fragment)
+        self.single.append(fragment)
         return super().download_into(fragment, *a, **kw)
 
+    def download_next(self, *a, **kw):
+        got = super().download_next(*a, **kw)
+        if got.version is not None:
+            self.fetches.append(got.fragment)
+        return got
 
-def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
+
+def test_a_merged_fragment_comes_with_the_long_poll_and_nothing_else_is_downloaded(
     tiny_config_path, tmp_path
 ):
     # Quorum 2: island a's upload of fragment 0 waits for island b's. Meanwhile a's long
-    # polls (0.05 s here) keep ending with nothing newer; each used to send a download
-    # answered "not modified", which cost both sides CPU on every step.
+    # polls (0.05 s here) keep ending with nothing newer, and nothing is downloaded (a
+    # download answered "not modified" after each cost both sides CPU on every step).
+    # Once merged, the fragment's body is the long poll's answer: no request of its own.
     with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=2)) as srv:
         client = _CountingClient(srv.url, "t", retries=0)
         (a,) = island_syncers(
@@ -1116,6 +1129,7 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
             s.bootstrap()
         assert sorted(client.fetches) == [0, 1]  # the bootstrap's
         client.fetches.clear()
+        client.single.clear()
         train(a, range(1, 3), wait_results=False)  # H/P = 2: fragment 0 is sent at step 2
         wait_for(lambda: a.stats.uploads == 1)
         time.sleep(1.0)  # about 20 long polls, no merge
@@ -1123,7 +1137,8 @@ def test_the_downloader_asks_only_for_fragments_the_long_poll_says_are_newer(
         train(b, range(1, 3), wait_results=False)  # the round closes: fragment 0 -> v1
         wait_for(lambda: a.slots[0].arrived)
         time.sleep(0.3)
-        assert client.fetches == [0], client.fetches
+        assert client.fetches == [0] and client.single == [], (client.fetches, client.single)
+        assert a.slots[0].version == 1
         for s in (a, b):
             s.close()
 

@@ -22,8 +22,8 @@ HTTP time into the coordinator's work and the transport's.
 one round of the island bench's workload. The coordinator runs as its own
 process (``ds-diloco coordinator``, as in production and in ``bench island``);
 each of the W ranks of one island (a thread here) uploads its slices of the
-fragment, waits for the new version (long poll), and downloads its slices into
-preallocated tensors, as the syncer does; quorum 1, so every round merges, with
+fragment and waits for the new version in the long poll that answers with its slices
+(read into preallocated tensors), as the syncer does; quorum 1, so every round merges, with
 the outer Nesterov step and the durable write. Reported: the process's CPU time
 (user + system, from ``/proc``, in 10 ms ticks: so over all rounds) per round,
 at the fragment size asked for and at the tiny Llama's (about 2 MiB, 8 fragments
@@ -668,7 +668,8 @@ def _time_rounds(
         start = threading.Barrier(world_size + 1, timeout=120)  # a stuck rank fails the run
         done = threading.Barrier(world_size + 1, timeout=120)
         errors: list[BaseException] = []
-        bases = [0]
+        bases = [clients[0].versions()[0]]
+        versions = [0] * world_size
 
         def rank(r: int) -> None:
             with contextlib.suppress(threading.BrokenBarrierError):  # the run stopped
@@ -686,20 +687,22 @@ def _time_rounds(
                 reply = clients[r].upload(header, slices[r])
                 if reply["status"] != "accepted":
                     raise RuntimeError(f"upload not accepted: {reply}")
-                while clients[r].versions("bench", known=[base], wait=10.0)[0] <= base:
-                    pass
-                got = clients[r].download_into(0, world_size, r, dest[r], after=base)
-                if got is None or got <= base:
-                    raise RuntimeError(f"rank {r}: no new version after {base}")
+                # As an island's download thread: the long poll that answers with the body.
+                got = clients[r].download_next(
+                    [base], world_size, r, [dest[r]], lambda i: True, wait=10.0, island="bench"
+                )  # fmt: skip
+                if got.version is None or got.version <= base:
+                    raise RuntimeError(f"rank {r}: no new version after {base}: {got}")
+                versions[r] = got.version
             except BaseException as e:  # reported by the main thread
                 errors.append(e)
 
         def one_round() -> None:
-            bases[0] = clients[0].versions()[0]
             start.wait()
             done.wait()
             if errors:
                 raise RuntimeError(f"a rank failed: {errors[0]!r}") from errors[0]
+            bases[0] = versions[0]  # the merged version every rank now holds
 
         threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world_size)]
         for t in threads:
