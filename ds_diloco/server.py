@@ -424,6 +424,12 @@ class CoordinatorServer:
             raise CoordinatorError(
                 400, f"next fragment: keep has {len(keeps)} masks for {len(known)} fragments"
             )
+        for frag, mask in zip(self.coord.plan.fragments, keeps):  # all, not only the one sent
+            try:
+                if mask:
+                    wire.parse_keep_mask(mask, len(frag.params))
+            except wire.WireError as e:
+                raise CoordinatorError(400, f"next fragment: fragment {frag.index}: {e}") from None
         if request.query.get("island"):
             self.coord.touch(request.query["island"])
         for fragment in await self._wait_newer(known, wait):

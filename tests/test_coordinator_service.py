@@ -304,6 +304,8 @@ def test_the_long_poll_for_fragments_answers_with_the_first_newer_one(server):
         ("known=0,0,0,0&wait=1&rank=0", "need ?known=V0,V1,...&wait=S&world_size=W"),
         ("known=0,0,0,0&wait=1&world_size=1&rank=0&keep=1,,&epoch=e", "keep has 3 masks"),
         ("known=-1,0,0,0&wait=1&world_size=1&rank=3", "rank 3 is outside world size 1"),
+        # A mask of a fragment that is not the one sent is refused all the same.
+        ("known=-1,0,0,0&wait=0&world_size=1&rank=0&keep=,,,zz&epoch=e", "fragment 3: keep must"),
     ],
 )
 def test_a_bad_long_poll_for_fragments_is_refused_naming_the_problem(server, query, message):
