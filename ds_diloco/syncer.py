@@ -828,6 +828,7 @@ class FragmentSyncer:
             return True
 
         info: dict = {}
+        got, error = None, None
         try:
             got = self.client.download_next(
                 known, self.world_size, self.rank, dests, claim, self.long_poll_s,
@@ -836,21 +837,17 @@ class FragmentSyncer:
         except Exception as e:
             if not claimed:
                 raise
-            i = claimed[0]
-            try:
-                self._took(self.plan.fragments[i], self.slots[i], None, info, e)
-            finally:
-                self.slots[i].lock.release()
-            return None
-        if claimed:
-            i = claimed[0]
-            try:
-                if got.version is not None:
-                    self._took(self.plan.fragments[i], self.slots[i], got.version, info)
-            finally:
-                self.slots[i].lock.release()
-            return None
-        return got.versions
+            error = e  # after the answer named its fragment: _took judges it
+        if not claimed:
+            return got.versions
+        i = claimed[0]
+        try:
+            if error is not None or got.version is not None:  # (None: claim said no)
+                version = None if error is not None else got.version
+                self._took(self.plan.fragments[i], self.slots[i], version, info, error)
+        finally:
+            self.slots[i].lock.release()
+        return None
 
     def _took(
         self, frag: Fragment, slot: _Slot, version: int | None, info: dict,
