@@ -987,7 +987,9 @@ def _print_summary(s: dict) -> None:
     for name, i in s["islands"].items():
         print(f"  {name}: {i['steps']} steps, {i['tokens']} tokens, sync time {i['sync_s']} s "
               f"(max {i['sync_max_s']} s per step), uploads {i['stats']['uploads']}, "
-              f"dropped {i['stats']['dropped']}, failed {i['stats']['failed']}")  # fmt: skip
+              f"dropped {i['stats']['dropped']}, failed {i['stats']['failed']}, results applied "
+              f"late {i['stats'].get('applied_late', 0)} ({i['stats'].get('steps_late', 0)} "
+              "steps past tau in all)")  # fmt: skip
     traffic = (s.get("coordinator") or {}).get("traffic")
     if traffic:  # the coordinator's last launch (a restart counts from 0 again)
         from ds_diloco.status_view import traffic_text

@@ -243,6 +243,8 @@ class SyncStats:
     prefetched: int = 0  # of the applies, those that read a copy already on the shard's device
     skipped: int = 0  # sends skipped: the fragment's base was busy, newer or torn, or ...
     skipped_late: int = 0  # ... its last result came H steps late: applied at the send step
+    applied_late: int = 0  # results of uploads applied after their step (sent step + tau):
+    steps_late: int = 0  # ... not every rank held them in time; and by how many steps, in all
     agree_s: float = 0.0  # time in the island's agreement collective (waiting for peer ranks)
     send_s: float = 0.0  # training thread: reading the local values of the fragments sent
     apply_s: float = 0.0  # training thread: writing merged fragments into the shard
@@ -553,8 +555,17 @@ class FragmentSyncer:
                     )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
                 t0 = time.perf_counter()
+                owed = {  # the results of this island's uploads, by the step each was due at
+                    frag.index: self.schedule.apply_at(slot.sent_step)
+                    for frag, slot in due
+                    if slot.sent_step is not None
+                }
                 applied = self._apply_agreed(due, held, lows, highs)
                 t1 = time.perf_counter()
+                for i in applied:
+                    if step > owed.get(i, step):
+                        self.stats.applied_late += 1
+                        self.stats.steps_late += step - owed[i]
                 self._flush()
                 self.stats.apply_s += t1 - t0
                 self.stats.cache_s += time.perf_counter() - t1

@@ -120,6 +120,7 @@ def test_two_rank_island_syncs_its_slices_and_applies_after_tau(
         for s in ranks:  # step 2 = 1 + tau: both ranks apply fragment 0, fragment 1 is sent
             assert s.on_step(2, tokens=64) == [0]
             assert s.versions()[0] == 1 and s.slots[0].tokens == 0
+            assert (s.stats.applied_late, s.stats.steps_late) == (0, 0)  # on time
         params = dict(model.named_parameters())
         for n in expected:
             assert torch.allclose(params[n].detach(), expected[n], atol=1e-6), n
@@ -267,6 +268,8 @@ def test_a_fragment_whose_result_is_applied_only_when_it_is_due_again_is_not_sen
         wait_for(lambda: a.slots[0].arrived)
         assert a.on_step(6, tokens=64) == [0]  # applied at step 6, when it is due again
         assert a.stats.skipped == a.stats.skipped_late == 1 and 0 not in a._pending
+        # Counted as late: due at step 3 (sent at 2, tau = 1), applied at 6.
+        assert (a.stats.applied_late, a.stats.steps_late) == (1, 3)
         for s in (a, b):
             s.close()
         assert a.stats.uploads == 2
