@@ -554,21 +554,21 @@ class FragmentSyncer:
                         f"{self._diverged or 'the upload of another rank was refused so'}"
                     )
                 self._shift_phase(step, [r[len(held) : len(held) + 3] for r in rows])
-                t0 = time.perf_counter()
                 owed = {  # the results of this island's uploads, by the step each was due at
                     frag.index: self.schedule.apply_at(slot.sent_step)
                     for frag, slot in due
                     if slot.sent_step is not None
                 }
+                t0 = time.perf_counter()
                 applied = self._apply_agreed(due, held, lows, highs)
                 t1 = time.perf_counter()
+                self._flush()
+                self.stats.apply_s += t1 - t0
+                self.stats.cache_s += time.perf_counter() - t1
                 for i in applied:
                     if step > owed.get(i, step):
                         self.stats.applied_late += 1
                         self.stats.steps_late += step - owed[i]
-                self._flush()
-                self.stats.apply_s += t1 - t0
-                self.stats.cache_s += time.perf_counter() - t1
                 if send is not None:
                     # Usable on every rank; the island's tokens are the sum of its ranks'.
                     # Its result applied just now (it came H steps late): nothing trained
