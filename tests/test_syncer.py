@@ -725,9 +725,8 @@ def test_a_bad_download_is_never_applied_and_is_fetched_again(
         counted = "failed" if how == "truncate" else "bad_responses"
         wait_for(lambda: getattr(s.stats, counted) >= 1)
         assert proxy.spoiled == 1 and (s.stats.bad_responses == (how != "truncate"))
-        # Its base is marked torn (version -1: some of its bytes may be the bad answer's),
-        # and stays so while the coordinator cannot be reached again.
-        # (marked just after the count: waited for)
+        # Its base is marked torn (version -1: some of its bytes may be the bad answer's) just
+        # after the count, so waited for, and stays so while the coordinator is unreachable.
         wait_for(lambda: s.slots[0].version == -1, timeout=5.0)
         assert s._wanted()[0] == -1
         # While it cannot fetch again, the torn base is never used: not applied at step 2,
