@@ -21,6 +21,7 @@ import logging
 
 from transformers import TrainerCallback
 
+from ds_diloco import zero
 from ds_diloco.learner import Learner, LearnerError
 
 log = logging.getLogger(__name__)
@@ -30,21 +31,13 @@ class _TrainerEngine:
     """What :class:`Learner` uses of a DeepSpeed engine, from what a callback is given."""
 
     def __init__(self, model, optimizer, state):
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
         self.module = model
         # accelerate wraps DeepSpeed's optimizer (DeepSpeedOptimizerWrapper.optimizer)
         self.optimizer = opt = getattr(optimizer, "optimizer", optimizer)
         self._state = state
         # From the optimizer the Trainer really runs, not from TrainingArguments.deepspeed:
         # `accelerate launch --use_deepspeed` runs ZeRO-3 with that argument unset.
-        if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-            self.stage = 3
-        elif isinstance(opt, DeepSpeedZeroOptimizer):
-            self.stage = 2 if opt.partition_gradients else 1
-        else:
-            self.stage = 0  # DeepSpeed without ZeRO, or no DeepSpeed at all
+        self.stage = zero.optimizer_zero_stage(opt)
 
     def zero_optimization_stage(self) -> int:
         return self.stage

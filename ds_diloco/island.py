@@ -67,7 +67,7 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)
-        return split_blocks(island, torch.distributed.get_world_size(), rank), heldout
+        return split_blocks(island, zero.rank_and_world()[1], rank), heldout
     except ValueError as e:  # say whose shard: the bare message named no island
         raise ValueError(
             f"island {cfg.island!r} (shard {cfg.shard} of {cfg.num_shards}) rank {rank}: {e}; "
@@ -120,7 +120,7 @@ def lr_multiplier(t: TrainConfig, step: int) -> float:
 @torch.no_grad()
 def heldout_loss(engine, heldout: Blocks, micro_batch: int, batches: int) -> float:
     """Mean held-out loss over the island (each rank its ``eval_blocks``; one all-reduce)."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank, world = zero.rank_and_world()
     mine = eval_blocks(heldout, rank, world, micro_batch * batches)
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
@@ -128,7 +128,7 @@ def heldout_loss(engine, heldout: Blocks, micro_batch: int, batches: int) -> flo
         total[0] += lm_loss(engine, b[:, :-1], b[:, 1:]).item() * len(b)
         total[1] += len(b)
     engine.train()
-    torch.distributed.all_reduce(total)
+    zero.all_reduce_sum(total)
     return float(total[0] / total[1])
 
 

@@ -34,8 +34,6 @@ import sys
 import time
 import weakref
 
-import torch.distributed as dist
-
 from ds_diloco import zero
 from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError, TLSError
 from ds_diloco.compress import Codec
@@ -137,11 +135,11 @@ class Learner:
             if not token:
                 raise LearnerError(f"no token: pass token= or set {TOKEN_ENV}")
 
-        if dist.is_initialized():
+        if zero.initialized():
             self._all(need_token)
         else:
             need_token()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = zero.rank_and_world()
         # https: the coordinator's certificate is checked against ca_file, else
         # $DS_DILOCO_CA_FILE, else the system's CAs.
         self.client = CoordinatorClient(coordinator, token, ca_file=ca_file)

@@ -80,7 +80,7 @@ def check_islands_inputs(cfg: RunConfig) -> None:
         raise ValueError(f"coordinator: {e}") from None
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks get it (_env)
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from ds_diloco.zero import check_deepspeed_config
 
     for i, spec in enumerate(cfg.islands):  # one file; batch sizes by island (world size 1)
         island = IslandConfig(island=spec.name, coordinator_url="http://127.0.0.1:1",
@@ -91,12 +91,10 @@ def check_islands_inputs(cfg: RunConfig) -> None:
         except ValueError as e:
             raise ValueError(f"islands[{spec.name}]: {e}" if spec.train else str(e)) from None
         try:
-            DeepSpeedConfig(ds)
-        except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
-            first = str(e).strip().splitlines()
+            check_deepspeed_config(ds)
+        except ValueError as e:
             raise ValueError(
-                f"deepspeed_config {cfg.deepspeed_config!r} is refused by DeepSpeed: "
-                + "; ".join(line.strip() for line in first[:4])
+                f"deepspeed_config {cfg.deepspeed_config!r} is refused by DeepSpeed: {e}"
             ) from None
 
 

@@ -9,6 +9,10 @@
   gloo even in an NCCL island (:func:`agreement_group`).
 - :func:`gather_full_params`: whole tensors, for checks and small exports.
 - :func:`shutdown`, :func:`teardown_gloo`: the process group torn down before exit.
+- :func:`rank_and_world`, :func:`all_reduce_sum`, :func:`optimizer_zero_stage`,
+  :func:`check_deepspeed_config`: what the rest of the package asks of them, so that no
+  other module imports either (``tests/test_boundaries.py``), and DeepSpeed is imported
+  only inside these functions: a coordinator process never loads it.
 
 No collective here ever crosses islands: the process group is the island.
 """
@@ -395,6 +399,46 @@ def model_finite(engine) -> bool:
 
 def barrier() -> None:
     torch.distributed.barrier()
+
+
+def initialized() -> bool:
+    """A process group is up (the island's, or one the user's launcher made)."""
+    return torch.distributed.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) in the island's process group."""
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def all_reduce_sum(t: torch.Tensor) -> None:
+    """Sum ``t`` over the island's ranks, in place (a collective: all ranks call it)."""
+    torch.distributed.all_reduce(t)
+
+
+def optimizer_zero_stage(opt) -> int:
+    """The ZeRO stage of the optimizer a training loop really runs: 3, 2 or 1 for DeepSpeed's
+    ZeRO optimizers, 0 for anything else (DeepSpeed without ZeRO, or no DeepSpeed)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        return 3
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        return 2 if opt.partition_gradients else 1
+    return 0
+
+
+def check_deepspeed_config(ds_config: dict) -> None:
+    """DeepSpeed's own schema check of a config (as ``deepspeed.initialize`` would run it),
+    before any rank starts: ValueError with the first lines of what it refused."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(ds_config)
+    except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts
+        first = str(e).strip().splitlines()
+        raise ValueError("; ".join(line.strip() for line in first[:4])) from None
 
 
 def shutdown() -> None:
