@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import write_run_file
@@ -249,6 +250,65 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(
                 assert s["versions"] != [0] * 4 and s["steps"] == STEPS_OUTAGE
     finally:
         lr.stop()
+
+
+STEPS_KILL = 24  # at least 0.1 s a step (step_delay_s): 18 steps still to go when one is killed
+
+
+def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint(
+    tmp_path, tiny_config_path
+):
+    # ZeRO-3 cannot go on without a rank. One rank of a two-rank island is SIGKILLed: the
+    # launcher stops the other (none waits in a collective for ever), the run restarts the
+    # whole island after its backoff, and both ranks resume from their last checkpoint.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
+                          steps=STEPS_KILL)  # fmt: skip
+    run = json.loads(path.read_text())
+    run["train"].update(checkpoint_every=4, step_delay_s=0.1)
+    path.write_text(json.dumps({**run, "max_restarts": 1, "restart_backoff_s": 0.5}))
+    lr = LocalRun(load_run_config(path))
+    island = lr.workdir / "islands" / "two"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        client = lr.start_coordinator()
+        lr.start_islands()
+
+        def past_a_checkpoint():
+            latest = island / "checkpoints" / "latest"
+            return latest.exists() and lr.island_records()["two"].get("step", 0) >= 6
+
+        _wait_for(past_a_checkpoint, 300, "the island to train past its first checkpoint")
+        before = client.status()["islands"]["two"]
+        ranks = lr.rank_pids("two")
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = lr.island_records()["two"]["step"]
+        deadline = time.monotonic() + 300
+        while not lr.finished():
+            assert time.monotonic() < deadline, (lr.events, lr.island_records())
+            lr.supervise()
+            time.sleep(0.1)
+        after = client.status()["islands"]["two"]
+    finally:
+        lr.stop()
+    assert killed_at < STEPS_KILL, "the island finished before the kill"
+    assert not psutil.pid_exists(ranks[0])  # the launcher took the other rank down
+    assert [(e["event"], e["island"]) for e in lr.events] == [
+        ("island died", "two"), ("island restarted", "two")], lr.events  # fmt: skip
+    assert lr.events[0]["exit"] != 0 and lr.restarts == {"two": 1}
+    assert lr.islands["two"].returncode == 0
+    starts = [r for line in (island / "progress.jsonl").read_text().splitlines()
+              if "started_at" in (r := json.loads(line))]  # fmt: skip
+    assert [r["resumed"] for r in starts] == [False, True], starts
+    resumed = starts[1]["step"]
+    assert 4 <= resumed <= killed_at + 4 and resumed % 4 == 0, (resumed, killed_at)
+    for rank in (0, 1):
+        s = json.loads((island / f"summary-rank{rank}.json").read_text())
+        assert s["steps"] == STEPS_KILL and s["start_step"] == resumed, s
+    assert s["tokens"] == STEPS_KILL * 2 * 4 * 32  # steps x ranks x micro_batch x seq_len
+    # The second launch registered again, and its uploads were merged.
+    assert after["registrations"] == before["registrations"] + 1, (before, after)
+    assert after["merged"] > before["merged"], (before, after)
 
 
 def test_a_coordinator_that_cannot_start_stops_the_islands_started_with_it(
