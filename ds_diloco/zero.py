@@ -11,8 +11,8 @@
 - :func:`shutdown`, :func:`teardown_gloo`: the process group torn down before exit.
 - :func:`rank_and_world`, :func:`all_reduce_sum`, :func:`optimizer_zero_stage`,
   :func:`check_deepspeed_config`: what the rest of the package asks of them, so that no
-  other module imports either (``tests/test_boundaries.py``), and DeepSpeed is imported
-  only inside these functions: a coordinator process never loads it.
+  other module imports either (``tests/test_boundaries.py``). This module imports
+  DeepSpeed inside its functions only: a coordinator process never loads it.
 
 No collective here ever crosses islands: the process group is the island.
 """
