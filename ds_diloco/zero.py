@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ds_diloco import agreement
 from ds_diloco.config import ModelSource
 from ds_diloco.merge import sq_norm
 from ds_diloco.sharding import shard_numel
@@ -341,10 +342,11 @@ AGREEMENT_ENV = "DS_DILOCO_GLOO_AGREEMENT"
 
 
 def agreement_group():
-    """The process group of the syncer's agreement, run on every inner step: None (the
-    default group) when the island is on gloo or has one rank (then no collective at all,
-    see :func:`island_gather`); on NCCL a gloo group of the same ranks, made now (every
-    rank calls this at the same point).
+    """What the syncer's agreement runs on, every inner step (every rank calls this at the
+    same point): sockets of the island's own between its ranks (:mod:`ds_diloco.agreement`),
+    and where those cannot be opened, the process group: None (the default group) when the
+    island is on gloo or has one rank (then no collective at all, see :func:`island_gather`);
+    on NCCL a gloo group of the same ranks, made now.
 
     NCCL gathers GPU tensors only: the agreement's few integers would be copied to the
     GPU and read back with ``tolist``, which waits for everything queued on it, on every
@@ -353,7 +355,12 @@ def agreement_group():
     from the host name; where that is the wrong one, set ``GLOO_SOCKET_IFNAME`` (or
     ``DS_DILOCO_GLOO_AGREEMENT=0`` to stay on NCCL)."""
     dist = torch.distributed
-    if dist.get_world_size() == 1 or dist.get_backend() == "gloo":
+    if dist.get_world_size() == 1:
+        return None
+    mesh = agreement.open_mesh(dist.get_rank(), dist.get_world_size(), _all_gather_object)
+    if mesh is not None:
+        return mesh
+    if dist.get_backend() == "gloo":
         return None
     if os.environ.get(AGREEMENT_ENV, "1") == "0":
         return None
@@ -367,6 +374,8 @@ def island_gather(values: list[int], group=None) -> list[list[int]]:
     The syncer's agreement: from the rows each rank takes the minimum and maximum
     version held and the island's sum of token counts, the same on every rank.
     """
+    if isinstance(group, agreement.SocketAgreement):
+        return group.gather(values)
     world = torch.distributed.get_world_size(group)
     if world == 1:
         return [list(values)]
@@ -381,8 +390,17 @@ def destroy_group(group) -> None:
     """Tear down a group of :func:`agreement_group` (None: nothing) once every rank is done
     with it: left to interpreter exit, a gloo group's threads can abort the process (see
     :func:`teardown_gloo`)."""
-    if group is not None and torch.distributed.is_initialized():
+    if isinstance(group, agreement.SocketAgreement):
+        group.close()
+    elif group is not None and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group(group)
+
+
+def _all_gather_object(obj) -> list:
+    """Every rank's ``obj``, by rank (pickled through the island's process group)."""
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def model_finite(engine) -> bool:

@@ -21,7 +21,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
-from ds_diloco import zero
+from ds_diloco import agreement, zero
 from ds_diloco.config import DataConfig, IslandConfig, ModelSource, TrainConfig
 from ds_diloco.hf_model import build_model, lm_loss
 from ds_diloco.island import deepspeed_config
@@ -69,9 +69,13 @@ def reads(access) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ scenarios
 def scenario_minmax(spec, rank, world):
-    """The agreement's gather, on the island's group and on a gloo group of its own (what
-    an NCCL island agrees on: made here on gloo), torn down after."""
-    default = zero.agreement_group()  # None on gloo: the island's own group
+    """The agreement's gather over the island's own sockets, on the island's group and on a
+    gloo group of its own (what an NCCL island agrees on where the sockets cannot be
+    opened: made here on gloo), each torn down after."""
+    mesh = zero.agreement_group()  # the ranks' sockets
+    os.environ[agreement.ENV] = "0"
+    fallback = zero.agreement_group()  # None on gloo: the island's own group
+    del os.environ[agreement.ENV]
     own = torch.distributed.new_group(backend="gloo")
     # Both groups are gloo over the same ranks here, so the rows alone cannot tell them
     # apart: which group each all-gather ran on is recorded.
@@ -85,10 +89,13 @@ def scenario_minmax(spec, rank, world):
     try:
         rows_group = zero.island_gather(list(reversed(spec["minmax"][rank])), group=own)
         rows = zero.island_gather(spec["minmax"][rank])
+        rows_mesh = [zero.island_gather([rank, k, -k], group=mesh) for k in range(3)]
     finally:
         torch.distributed.all_gather = all_gather
     zero.destroy_group(own)
-    return {"rows": rows, "rows_group": rows_group, "default": default,
+    zero.destroy_group(mesh)
+    return {"rows": rows, "rows_group": rows_group, "rows_mesh": rows_mesh,
+            "mesh": type(mesh).__name__, "fallback": fallback,
             "gathered_on": gathered_on}  # fmt: skip
 
 

@@ -185,8 +185,12 @@ def test_island_gather_gives_every_rank_all_rows_in_rank_order(island):
     for r, res in enumerate(island.both("minmax")):
         assert res["rows"] == MINMAX, f"rank {r}"
         assert res["rows_group"] == [list(reversed(row)) for row in MINMAX], f"rank {r}"
-        assert res["default"] is None  # a gloo island agrees on its own group
-        # The group given is the one gathered on; none given: the default group.
+        # The ranks agree over their own sockets; with those off, a gloo island agrees on its
+        # own group.
+        assert res["mesh"] == "SocketAgreement" and res["fallback"] is None, res
+        assert res["rows_mesh"] == [[[0, k, -k], [1, k, -k]] for k in range(3)], f"rank {r}"
+        # The group given is the one gathered on; none given: the default group; the
+        # sockets: no all-gather at all.
         assert res["gathered_on"] == ["own", "None"], f"rank {r}: {res['gathered_on']}"
 
 

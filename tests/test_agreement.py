@@ -1,0 +1,107 @@
+"""The island's agreement over sockets of its own (``ds_diloco/agreement.py``), with ranks
+that are threads here; ``tests/test_zero.py`` runs it between two processes of a real
+gloo group, and every multi-rank e2e test agrees over it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ds_diloco import agreement
+
+
+def exchanges(world: int):
+    """An all-gather of objects among ``world`` threads: what the process group gives."""
+    table: list = [None] * world
+    barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(rank):
+        def exchange(obj):
+            table[rank] = obj
+            barrier.wait()
+            out = list(table)
+            barrier.wait()
+            return out
+
+        return exchange
+
+    return [for_rank(r) for r in range(world)]
+
+
+def open_all(world: int, hosts=None):
+    hosts = hosts or ["127.0.0.1"] * world
+    ex = exchanges(world)
+    with ThreadPoolExecutor(world) as pool:
+        futures = [pool.submit(agreement.open_mesh, r, world, ex[r], hosts[r])
+                   for r in range(world)]  # fmt: skip
+        return [f.result(timeout=120) for f in futures]
+
+
+def test_every_rank_gets_every_row_in_rank_order_call_after_call():
+    world = 4
+    meshes = open_all(world)
+    assert all(isinstance(m, agreement.SocketAgreement) for m in meshes)
+    try:
+        with ThreadPoolExecutor(world) as pool:
+            for k in range(20):  # rows of any length, any int64, call after call
+                rows = [[r, k, -(2**62) + r] + [7] * (k % 3) for r in range(world)]
+                got = list(pool.map(lambda m, row: m.gather(row), meshes, rows))
+                assert got == [rows] * world, k
+    finally:
+        for m in meshes:
+            m.close()
+
+
+def test_a_peer_that_stopped_is_named_not_waited_for():
+    meshes = open_all(3)
+    meshes[2].close()  # what a dead rank's sockets do
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(meshes[r].gather, [r]) for r in (0, 1)]:
+            with pytest.raises(ConnectionError, match="rank 2 closed its socket"):
+                f.result(timeout=30)
+    for m in meshes[:2]:
+        m.close()
+
+
+def test_where_a_rank_cannot_listen_every_rank_stays_on_the_process_group(monkeypatch):
+    monkeypatch.setattr(agreement, "CONNECT_TIMEOUT_S", 2.0)
+    t0 = time.monotonic()
+    # Rank 1's address is not this host's: it cannot listen; the others may have begun.
+    assert open_all(3, hosts=["127.0.0.1", "192.0.2.1", "127.0.0.1"]) == [None, None, None]
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_connection_without_the_islands_nonce_is_refused(monkeypatch):
+    monkeypatch.setattr(agreement, "CONNECT_TIMEOUT_S", 2.0)
+    ex = exchanges(2)
+    real = agreement._HELLO.pack
+
+    def wrong_nonce(nonce, rank):  # rank 1 presents another island's nonce
+        return real(bytes(16) if nonce != bytes(16) else b"x" * 16, rank)
+
+    monkeypatch.setattr(agreement, "_HELLO", type("H", (), {
+        "pack": staticmethod(wrong_nonce), "unpack": agreement._HELLO.unpack,
+        "size": agreement._HELLO.size}))  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(agreement.open_mesh, r, 2, ex[r], "127.0.0.1") for r in (0, 1)]
+        assert [f.result(timeout=60) for f in futures] == [None, None]
+
+
+def test_no_sockets_for_one_rank_too_many_ranks_or_when_turned_off(monkeypatch):
+    never = lambda obj: pytest.fail("no exchange expected")  # noqa: E731
+    assert agreement.open_mesh(0, 1, never) is None
+    assert agreement.open_mesh(0, agreement.MAX_WORLD + 1, never) is None
+    monkeypatch.setenv(agreement.ENV, "0")
+    assert agreement.open_mesh(0, 2, never) is None
+
+
+def test_the_address_is_the_one_towards_the_master(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert agreement.local_host() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert agreement.local_host() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    assert agreement.local_host() == "127.0.0.1"
