@@ -11,14 +11,14 @@ the ranks open a socket to each other once, at start, and exchange the rows ther
 the process group, made by :mod:`ds_diloco.zero`) and returns None where the sockets could
 not be opened on every rank: the agreement then stays on the process group. No thread,
 no timer: a rank writes its row to every peer, then reads each peer's. A peer that died
-closes its sockets, and the read raises (the island stops, as on a gloo error).
+closes its sockets, and the read raises; one that hangs, after ``PEER_TIMEOUT_S`` (the
+island stops, as on a gloo error, and is restarted).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -33,6 +33,10 @@ MAX_WORLD = 64
 
 CONNECT_TIMEOUT_S = 10.0
 """How long a rank tries to reach a peer at start before the island stays on the group."""
+
+PEER_TIMEOUT_S = 1800.0
+"""How long a rank waits for a peer's row: as long as a gloo collective waits by default
+(a rank stopped for good then fails the island, which is restarted, as on gloo)."""
 
 _HELLO = struct.Struct("<16sI")  # the island's nonce, the connecting rank
 _COUNT = struct.Struct("<I")
@@ -68,7 +72,12 @@ def _read(sock: socket.socket, n: int, peer: int) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            raise TimeoutError(
+                f"agreement: no row from rank {peer} in {sock.gettimeout():.0f} s"
+            ) from None
         if k == 0:
             raise ConnectionError(f"agreement: rank {peer} closed its socket (it stopped)")
         got += k
@@ -111,7 +120,7 @@ def open_mesh(
         address = listener.getsockname()[:2]
     except OSError as e:
         log.warning("agreement: cannot listen (%s); it stays on the process group", e)
-    nonce = secrets.token_bytes(16) if rank == 0 else b""
+    nonce = os.urandom(16) if rank == 0 else b""
     table = exchange((address, nonce))
     nonce = table[0][1]
     try:
@@ -142,6 +151,6 @@ def open_mesh(
             s.close()
         return None
     for s in peers.values():
-        s.settimeout(None)  # a peer's step takes as long as it takes, as in a collective
+        s.settimeout(PEER_TIMEOUT_S)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return SocketAgreement(rank, world, peers)

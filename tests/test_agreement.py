@@ -66,6 +66,19 @@ def test_a_peer_that_stopped_is_named_not_waited_for():
         m.close()
 
 
+def test_a_peer_that_sends_nothing_is_waited_for_as_long_as_gloo_would_then_named(
+    monkeypatch,
+):
+    monkeypatch.setattr(agreement, "PEER_TIMEOUT_S", 0.5)
+    meshes = open_all(2)
+    try:  # rank 1 is stopped (SIGSTOP, a hung step): it never calls gather
+        with pytest.raises(TimeoutError, match="agreement: no row from rank 1 in"):
+            meshes[0].gather([0])
+    finally:
+        for m in meshes:
+            m.close()
+
+
 def test_where_a_rank_cannot_listen_every_rank_stays_on_the_process_group(monkeypatch):
     monkeypatch.setattr(agreement, "CONNECT_TIMEOUT_S", 2.0)
     t0 = time.monotonic()
