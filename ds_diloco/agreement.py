@@ -58,8 +58,9 @@ class SocketAgreement:
             if r == self.rank:
                 rows.append([int(v) for v in values])
                 continue
-            (n,) = _COUNT.unpack(_read(self.peers[r], _COUNT.size, r))
-            rows.append(list(struct.unpack(f"<{n}q", _read(self.peers[r], 8 * n, r))))
+            who = f"rank {r}"
+            (n,) = _COUNT.unpack(_read(self.peers[r], _COUNT.size, who))
+            rows.append(list(struct.unpack(f"<{n}q", _read(self.peers[r], 8 * n, who))))
         return rows
 
     def close(self) -> None:
@@ -68,7 +69,7 @@ class SocketAgreement:
         self.peers = {}
 
 
-def _read(sock: socket.socket, n: int, peer: int) -> bytes:
+def _read(sock: socket.socket, n: int, who: str) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -76,10 +77,10 @@ def _read(sock: socket.socket, n: int, peer: int) -> bytes:
             k = sock.recv_into(view[got:])
         except TimeoutError:
             raise TimeoutError(
-                f"agreement: no row from rank {peer} in {sock.gettimeout():.0f} s"
+                f"agreement: no row from {who} in {sock.gettimeout():.0f} s"
             ) from None
         if k == 0:
-            raise ConnectionError(f"agreement: rank {peer} closed its socket (it stopped)")
+            raise ConnectionError(f"agreement: {who} closed its socket (it stopped)")
         got += k
     return bytes(buf)
 
@@ -131,12 +132,12 @@ def open_mesh(
             s.sendall(_HELLO.pack(nonce, rank))
             peers[r] = s
         for _ in range(rank + 1, world):
-            s, _addr = listener.accept()
+            s, addr = listener.accept()
             s.settimeout(CONNECT_TIMEOUT_S)
-            got, r = _HELLO.unpack(_read(s, _HELLO.size, -1))
+            got, r = _HELLO.unpack(_read(s, _HELLO.size, f"the peer at {addr}"))
             if got != nonce or not rank < r < world or r in peers:
                 s.close()
-                raise OSError(f"an unexpected connection from {_addr}")
+                raise OSError(f"an unexpected connection from {addr}")
             peers[r] = s
         ok = True
     except OSError as e:
