@@ -85,17 +85,39 @@ def _read(sock: socket.socket, n: int, who: str) -> bytes:
     return bytes(buf)
 
 
+ROUTE_PROBE = ("192.0.2.1", 9)
+"""An address off every network here (TEST-NET-1): a UDP socket "connected" to it takes
+the default route's source address; nothing is sent."""
+
+
+def spans_nodes() -> bool:
+    """The launcher says the island has ranks on other nodes (``WORLD_SIZE`` above the
+    ranks started on this one: deepspeed's ``LOCAL_SIZE``, torchrun's ``LOCAL_WORLD_SIZE``)."""
+    local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        return local is not None and int(os.environ.get("WORLD_SIZE", local)) > int(local)
+    except ValueError:
+        return False
+
+
+def _source_address(target: tuple[str, int]) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(target)  # sends nothing: picks the route
+        return s.getsockname()[0]
+
+
 def local_host() -> str:
     """The address this rank listens on: the one its traffic to the island's master
-    (``MASTER_ADDR``, where rank 0 runs) leaves from, so peers on other nodes reach it."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    (``MASTER_ADDR``, where rank 0 runs) leaves from, so peers on other nodes reach it.
+    On the master's node ``MASTER_ADDR`` may resolve to loopback (a host name mapped to
+    127.0.1.1): loopback serves an island on one node; one that spans nodes listens on
+    the address of the default route, which the other nodes can reach."""
     try:
-        target = socket.gethostbyname(master)
-        if target.startswith("127."):
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, int(os.environ.get("MASTER_PORT", "29500"))))  # sends nothing
-            return s.getsockname()[0]
+        target = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        if not target.startswith("127."):
+            return _source_address((target, port))
+        return _source_address(ROUTE_PROBE) if spans_nodes() else "127.0.0.1"
     except (OSError, ValueError):
         return "127.0.0.1"
 

@@ -118,3 +118,34 @@ def test_the_address_is_the_one_towards_the_master(monkeypatch):
     assert agreement.local_host() == "127.0.0.1"
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     assert agreement.local_host() == "127.0.0.1"
+
+
+def test_an_island_across_nodes_listens_where_other_nodes_reach_it(monkeypatch):
+    # On the master's node its host name may resolve to 127.0.1.1: listening on loopback
+    # there, the island's ranks on other nodes could not connect, and it stayed on gloo.
+    try:
+        route = agreement._source_address(agreement.ROUTE_PROBE)
+    except OSError:
+        pytest.skip("this machine has no default route")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # deepspeed's launcher: 2 of the 4 ranks here
+    assert not route.startswith("127.") and agreement.local_host() == route
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # every rank on this node: loopback serves
+    assert agreement.local_host() == "127.0.0.1"
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun's name for it
+    assert agreement.local_host() == route
+    monkeypatch.setenv("MASTER_ADDR", route)  # a master named by its address: the same
+    assert agreement.local_host() == route
+    ex = exchanges(2)
+    with ThreadPoolExecutor(2) as pool:  # the ranks meet at that address
+        futures = [pool.submit(agreement.open_mesh, r, 2, ex[r]) for r in (0, 1)]
+        meshes = [f.result(timeout=60) for f in futures]
+    try:
+        assert all(m is not None for m in meshes)
+        assert meshes[0].peers[1].getsockname()[0] == route
+    finally:
+        for m in meshes:
+            if m is not None:
+                m.close()
