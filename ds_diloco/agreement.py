@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 ENV = "DS_DILOCO_SOCKET_AGREEMENT"
 """Set to 0 to keep the agreement on the process group."""
 
+IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""The network interface the island's traffic is told to use (gloo's variable): the
+agreement listens on its address too."""
+
 MAX_WORLD = 64
 """Islands of more ranks stay on the process group: the sockets form a full mesh."""
 
@@ -106,12 +110,33 @@ def _source_address(target: tuple[str, int]) -> str:
         return s.getsockname()[0]
 
 
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's address
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux; OSError where it has none)."""
+    import fcntl  # here, not above: a rank that names no interface loads nothing new
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
 def local_host() -> str:
-    """The address this rank listens on: the one its traffic to the island's master
-    (``MASTER_ADDR``, where rank 0 runs) leaves from, so peers on other nodes reach it.
-    On the master's node ``MASTER_ADDR`` may resolve to loopback (a host name mapped to
-    127.0.1.1): loopback serves an island on one node; one that spans nodes listens on
-    the address of the default route, which the other nodes can reach."""
+    """The address this rank listens on: that of the interface ``GLOO_SOCKET_IFNAME``
+    names (its first), where it is set: the one the island's traffic is told to use.
+    Else the one its traffic to the island's master (``MASTER_ADDR``, where rank 0
+    runs) leaves from, so peers on other nodes reach it. On the master's node
+    ``MASTER_ADDR`` may resolve to loopback (a host name mapped to 127.0.1.1): loopback
+    serves an island on one node; one that spans nodes listens on the address of the
+    default route, which the other nodes can reach."""
+    named = os.environ.get(IFNAME_ENV, "").split(",")[0].strip()
+    if named:
+        try:
+            return interface_address(named)
+        except (OSError, ImportError) as e:
+            log.warning("agreement: %s=%s has no IPv4 address here (%s); the address "
+                        "towards MASTER_ADDR is used", IFNAME_ENV, named, e)  # fmt: skip
     try:
         target = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         port = int(os.environ.get("MASTER_PORT", "29500"))

@@ -4,6 +4,8 @@ gloo group, and every multi-rank e2e test agrees over it."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ds_diloco import agreement
+
+
+@pytest.fixture(autouse=True)
+def _no_interface_named(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the tests name one themselves
 
 
 def exchanges(world: int):
@@ -149,3 +156,23 @@ def test_an_island_across_nodes_listens_where_other_nodes_reach_it(monkeypatch):
         for m in meshes:
             if m is not None:
                 m.close()
+
+
+def test_the_interface_gloo_is_told_to_use_gives_the_address(monkeypatch, caplog):
+    # Where the default route is not the cluster's fabric, users name its interface for
+    # gloo; the agreement's sockets listen there too.
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert agreement.local_host() == "127.0.0.1"
+    named = {}
+    for _, name in socket.if_nameindex():
+        with contextlib.suppress(OSError):  # an interface without an IPv4 address
+            named[name] = agreement.interface_address(name)
+    other = next(((n, a) for n, a in named.items() if not a.startswith("127.")), None)
+    if other is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", f"{other[0]},lo")  # the first one counts
+        assert agreement.local_host() == other[1]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")  # named wrong: said, then the rule
+    with caplog.at_level("WARNING", logger="ds_diloco.agreement"):
+        assert agreement.local_host() == "127.0.0.1"
+    assert "GLOO_SOCKET_IFNAME=no-such-if0 has no IPv4 address here" in caplog.text
