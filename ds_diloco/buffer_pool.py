@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import collections
+import logging
+import queue
 import threading
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 IDLE_FREE_S = 60.0
 """A free buffer not taken again for this long is let go. Rounds come every few seconds,
@@ -46,6 +50,8 @@ class BufferPool:
         self._free: dict[int, list[tuple[float, torch.Tensor]]] = collections.defaultdict(list)
         self._buffers: dict[int, torch.Tensor] = {}  # by data pointer: all held
         self._lock = threading.Lock()
+        # Given back by finalisers (``give_soon``), taken in at the pool's next call.
+        self._returned: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
 
     def take(self, numel: int) -> torch.Tensor:
         """A buffer of ``numel``'s class, its first ``numel`` elements (whatever they hold)."""
@@ -61,6 +67,7 @@ class BufferPool:
 
     def _take(self, size: int, numel: int) -> torch.Tensor:
         with self._lock:
+            self._take_returned()
             free = self._free[size]
             buf = free.pop()[1] if free else None
             self._let_go_idle()
@@ -73,18 +80,47 @@ class BufferPool:
     def owns(self, view: torch.Tensor) -> bool:
         """Whether ``view`` is one ``take`` returned (values read from disk are not)."""
         with self._lock:
-            buf = self._buffers.get(view.data_ptr())
+            return self._owns(view)
+
+    def _owns(self, view: torch.Tensor) -> bool:
+        buf = self._buffers.get(view.data_ptr())
         return buf is not None and view.untyped_storage().data_ptr() == buf.data_ptr()
 
     def give(self, view: torch.Tensor) -> None:
         """Back to the pool: ``view`` (one ``take`` returned) must not be used after."""
         with self._lock:
-            buf = self._buffers[view.data_ptr()]
-            free = self._free[buf.numel()]
-            if any(b is buf for _, b in free):
-                raise RuntimeError("a buffer was given back twice")
-            free.append((self._clock(), buf))
+            self._take_returned()
+            self._give(view)
             self._let_go_idle()
+
+    def give_soon(self, view: torch.Tensor) -> None:
+        """Back to the pool at its next call, if it is one of the pool's (else let go):
+        for finalisers. The cyclic garbage collector runs them at whatever allocation
+        it starts on, also one inside this pool's own calls, with ``_lock`` held: a
+        finaliser that took the lock there waited for its own thread for good (a
+        coordinator froze so). ``SimpleQueue.put`` takes no lock a thread may hold."""
+        self._returned.put(view)
+
+    def _give(self, view: torch.Tensor) -> None:
+        buf = self._buffers[view.data_ptr()]
+        free = self._free[buf.numel()]
+        if any(b is buf for _, b in free):
+            raise RuntimeError("a buffer was given back twice")
+        free.append((self._clock(), buf))
+
+    def _take_returned(self) -> None:
+        """The buffers of ``give_soon`` back among the free ones (with ``_lock`` held)."""
+        while True:
+            try:
+                view = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            if not self._owns(view):  # (values read from disk or made at start just go)
+                continue
+            try:
+                self._give(view)
+            except RuntimeError:  # not the caller's fault: say so, and go on
+                log.exception("a finalised buffer was free already")
 
     def _let_go_idle(self) -> None:
         """Drop the free buffers idle for ``idle_free_s`` (with ``_lock`` held): the oldest
@@ -101,6 +137,7 @@ class BufferPool:
         """Buffers held (in use or free: the most in use at once lately), those in use
         now, and the bytes they hold."""
         with self._lock:
+            self._take_returned()
             held = len(self._buffers)
             free = sum(len(f) for f in self._free.values())
             nbytes = 4 * sum(b.numel() for b in self._buffers.values())

@@ -222,10 +222,11 @@ class FragmentState:
         self.values, self.version = values, version
 
     def _recycle(self, values: torch.Tensor) -> None:
+        """A finaliser (see ``publish``): it may run inside any call of any thread, so
+        it takes no lock (``BufferPool.give_soon``)."""
         if values is self.served.values:  # published again (it must never be written)
             return
-        if self.pool.owns(values):  # (values read from disk or made at start just go)
-            self.pool.give(values)
+        self.pool.give_soon(values)
 
     def changed_at(self, values: torch.Tensor, version: int, quiet) -> tuple[int, ...]:
         """Per segment, since which version ``values`` (the next version's, ``version``)

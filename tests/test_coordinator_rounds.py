@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -797,6 +799,46 @@ def test_a_merge_reuses_the_buffer_of_a_version_no_download_holds_any_more(
     assert coord.status()["buffers"]["in_use"] == 1
 
 
+def test_a_version_the_garbage_collector_frees_inside_the_pool_goes_back_without_a_deadlock(
+    tiny_config_path, tmp_path
+):
+    # Seen in the suite: a coordinator froze for good mid-run (no merge, no reply, not even
+    # to SIGTERM). A download cut short by its client left its body in a reference cycle
+    # (the exception's traceback); the cyclic collector freed it later, at an allocation
+    # inside a pool call on another thread, with the pool's lock held; the version's
+    # finaliser asked the pool for that lock again. The event loop then waited for the
+    # bookkeeping lock that thread held.
+    kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
+    coord.register("a", 1, coord.plan.signature)
+    pool, steps = coord._buffers, iter(range(2, 100, 2))
+
+    def merge():
+        send(coord, "a", 0, step=next(steps), scale=1e-2)
+        assert coord.poll(0).merge
+
+    merge()
+    merge()
+    _, body = coord.download(0, 1, 0)  # version 2, being sent when its client goes away
+    cycle = [body]
+    cycle.append(cycle)  # freed by the collector only, as a traceback's frames are
+    del body
+    merge()  # version 3 is served: version 2's buffer goes back once the body is freed
+    in_use = pool.usage()["in_use"]
+    del cycle
+
+    def collect_inside_the_pool():
+        with pool._lock:  # where any pool call is when the collector runs in it
+            gc.collect()
+
+    worker = threading.Thread(target=collect_inside_the_pool, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the finaliser waited for the pool's lock its thread held"
+    assert pool.usage()["in_use"] == in_use - 1  # version 2's buffer is free again
+    merge()  # and the coordinator goes on
+
+
 def test_after_a_restart_the_first_merge_never_writes_the_served_buffer(tiny_config_path, tmp_path):
     # Seen in the chaos test: a restarted coordinator served version 53 of a fragment with
     # other values than before the kill. Resuming published the loaded values twice (as
@@ -1387,6 +1429,18 @@ def test_buffer_pool_reuses_its_buffers_by_size_class_and_refuses_misuse():
         ValueError, match=r"a buffer of 3001 elements \(the largest fragment: 3000\)"
     ):
         pool.take_transient(3001)
+
+
+def test_buffer_pool_takes_back_what_finalisers_give_at_its_next_call(caplog):
+    pool = BufferPool(largest=1000)
+    a, b = pool.take(1000), pool.take(1000)
+    pool.give_soon(a)  # (a finaliser's: no lock taken)
+    pool.give_soon(torch.zeros(10))  # values the pool never made: let go
+    assert pool.usage() == {"held": 2, "in_use": 1, "bytes": 2 * 4096}
+    assert pool.take(1000).data_ptr() == a.data_ptr()
+    pool.give(b)
+    pool.give_soon(b)  # free already: a bug named in the log, not raised in a caller
+    assert pool.usage()["in_use"] == 1 and "free already" in caplog.text
 
 
 def test_buffer_pool_lets_go_of_buffers_idle_for_a_while():
