@@ -543,6 +543,12 @@ class RunConfig:
     coordinator do not count."""
     restart_backoff_s: float = 1.0
     """Wait before the first restart; doubles per restart of the same process, up to 30 s."""
+    coordinator_hang_s: float = 60.0
+    """A coordinator that answered its health check and then stops answering it for this
+    long is hung (a deadlock, a stuck disk: its process lives, so it never exits): it is
+    killed and restarted as a death (``max_restarts``, ``restart_backoff_s``). The check
+    is answered on its event loop, which no merge, upload or durable write holds up;
+    one that is still starting is never killed. 0: never."""
 
     def train_of(self, spec: IslandSpec) -> TrainConfig:
         """The inner-loop settings island ``spec`` runs with."""
@@ -563,6 +569,11 @@ class RunConfig:
             raise ValueError(
                 "max_restarts and restart_backoff_s must be >= 0 (and finite), got "
                 f"{self.max_restarts} and {self.restart_backoff_s}"
+            )
+        if not _finite(self.coordinator_hang_s):
+            raise ValueError(
+                f"coordinator_hang_s must be >= 0 (0: never) and finite, got "
+                f"{self.coordinator_hang_s}"
             )
         if not _same_model(self.coordinator.model, self.model):
             # The islands build `model`: a coordinator starting from another would refuse

@@ -57,6 +57,9 @@ ISLAND_CONNECT_S = COORDINATOR_START_S + 30.0
 """How long a run's islands try to reach the coordinator at start: they are started while
 it is still starting, so they wait out its start-up, and a coordinator restart."""
 MAX_BACKOFF_S = 30.0
+HEALTH_EVERY_S = 5.0
+"""How often supervision asks a live coordinator whether it answers (``coordinator_hang_s``)."""
+HEALTH_TIMEOUT_S = 2.0
 
 
 class CoordinatorStartError(RuntimeError):
@@ -219,6 +222,11 @@ class LocalRun:
         self._coordinator_deaths = 0  # exits not caused on purpose: max_restarts counts these
         self._coordinator_restart_at: float | None = None
         self.coordinator_hold_until = 0.0  # chaos: keep a killed coordinator down until then
+        # The hang watch (coordinator_hang_s): when this coordinator process last answered
+        # its health check (None: not yet, still starting) and when to ask it next.
+        self._answered_at: float | None = None
+        self._health_at = 0.0
+        self._health: CoordinatorClient | None = None
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
         self._t0 = time.monotonic()
@@ -257,6 +265,9 @@ class LocalRun:
             )  # fmt: skip
         host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
         self.url = c.url_at(host, port)
+        self._answered_at, self._health_at = None, 0.0
+        self._health = CoordinatorClient(self.url, self.token, retries=0,
+                                         timeout_s=HEALTH_TIMEOUT_S, ca_file=c.tls_cert)  # fmt: skip
         self._mark("coordinator_spawned_s")
 
     def wait_for_coordinator(self) -> CoordinatorClient:
@@ -409,7 +420,7 @@ class LocalRun:
         while starting is one more death (waited for, one that exited before it answered
         stopped the run at once, and supervision stood still for up to 120 s)."""
         c = self.coordinator
-        if c is None or self._stopping or c.poll() is None:
+        if c is None or self._stopping or (c.poll() is None and not self._hung(c, now)):
             return
         _group_done(c)  # noted as soon as seen: its pid may be anyone's later
         if self._coordinator_restart_at is None:  # newly dead
@@ -432,6 +443,32 @@ class LocalRun:
             self._coordinator_restart_at = None
             self.spawn_coordinator()
             self.event("coordinator restarted", restart=self.coordinator_restarts)
+
+    def _hung(self, c: subprocess.Popen, now: float) -> bool:
+        """Whether the live coordinator ``c`` answered once and has not answered its health
+        check for ``coordinator_hang_s`` since; then it is killed (it would not hear a
+        SIGTERM: its event loop is stuck), and its death restarts it. Asked every
+        ``HEALTH_EVERY_S``: on a hung one each ask waits ``HEALTH_TIMEOUT_S``."""
+        hang = self.cfg.coordinator_hang_s
+        if hang <= 0 or now < self._health_at:
+            return False
+        self._health_at = now + HEALTH_EVERY_S
+        try:
+            self._health.health()
+            self._answered_at = time.monotonic()
+            return False
+        except Exception:  # no answer (or not a coordinator's): counted below
+            pass
+        if self._answered_at is None:  # still starting (or never up): not a hang
+            return False
+        silent = time.monotonic() - self._answered_at
+        if silent < hang:
+            return False
+        self.event("coordinator hung", silent_s=round(silent, 1), coordinator_hang_s=hang)
+        _signal_group(c, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.wait(timeout=10)
+        return True
 
     def finished(self) -> bool:
         """Every island exited cleanly or was given up, and none waits for a restart."""

@@ -395,6 +395,8 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"train.min_lr": NAN}, r"train.min_lr must be in \[0, train.lr = 0.001\], got nan"),
         ({"data.seed": -1}, r"data.seed must be >= 0, got -1"),
         ({"restart_backoff_s": NAN}, r"restart_backoff_s must be >= 0 \(and finite\), got 5 and nan"),
+        ({"coordinator_hang_s": -1}, r"coordinator_hang_s must be >= 0 \(0: never\) and finite, got -1"),
+        ({"coordinator_hang_s": NAN}, r"coordinator_hang_s must be >= 0 \(0: never\) and finite, got nan"),
         ({"coordinator.max_body_mb": NAN}, r"^coordinator: max_body_mb must be > 0 and finite, got nan"),
         ({"coordinator.max_body_mb": INF}, r"coordinator: max_body_mb must be > 0 and finite, got inf"),
         ({"coordinator.island_timeout_s": NAN}, r"coordinator: island_timeout_s must be > 0 and finite"),

@@ -455,6 +455,48 @@ def test_a_coordinator_that_keeps_dying_is_restarted_with_backoff_then_stops_the
     assert lr.coordinator_restarts == 2
 
 
+def test_a_hung_coordinator_is_killed_and_restarted_and_a_starting_one_is_left_alone(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    # Seen in the suite: a coordinator deadlocked for good (f6aa872). Its process lived, so
+    # nothing restarted it: its islands trained on with no merge to the end, and the run's
+    # stop then waited 60 s for a SIGTERM it could not hear. A stopped process hangs alike.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "coordinator_hang_s": 2.0,
+                                "restart_backoff_s": 0.2}))  # fmt: skip
+    monkeypatch.setattr(run_mod, "HEALTH_EVERY_S", 0.25)
+    lr = LocalRun(load_run_config(path))
+
+    def supervise_for(seconds, until=lambda: False):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            lr.supervise()
+            time.sleep(0.05)
+
+    try:
+        versions = lr.start_coordinator().versions()
+        supervise_for(1.0)  # it answers: nothing happens
+        assert lr.events == []
+        hung = lr.coordinator
+        os.kill(hung.pid, signal.SIGSTOP)
+        supervise_for(60, until=lambda: lr.coordinator is not hung)
+        assert hung.returncode == -signal.SIGKILL, lr.events
+        # The new one, stopped before it ever answered, is starting (a large model loads
+        # for minutes): never taken for hung.
+        starting = lr.coordinator
+        os.kill(starting.pid, signal.SIGSTOP)
+        supervise_for(3.0)
+        assert lr.coordinator is starting and starting.poll() is None, lr.events
+        os.kill(starting.pid, signal.SIGCONT)
+        assert lr.wait_for_coordinator().versions() == versions  # back, with its state
+    finally:
+        lr.stop()
+    assert [e["event"] for e in lr.events] == [
+        "coordinator hung", "coordinator died", "coordinator restarted"], lr.events  # fmt: skip
+    assert 2.0 <= lr.events[0]["silent_s"] < 10, lr.events
+    assert lr.coordinator_restarts == 1
+
+
 def test_a_restarted_coordinator_that_exits_while_starting_is_one_more_death(
     tmp_path, tiny_config_path
 ):
