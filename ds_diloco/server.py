@@ -455,10 +455,14 @@ class CoordinatorServer:
         resp = web.StreamResponse(headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = len(body)
-        await resp.prepare(request)
-        for chunk in _coalesce(body.parts):
-            await resp.write(chunk)
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            for chunk in _coalesce(body.parts):
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionError:  # (an island's downloader drops its long poll to ask anew)
+            log.debug("fragment %d v%d: the client went away before its body was sent",
+                      fragment, version)  # fmt: skip
         return resp
 
     # -------------------------------------------------------------- round loop

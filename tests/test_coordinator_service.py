@@ -7,8 +7,10 @@ The expected global model is computed here with plain tensors and torch's SGD.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import socket
 import threading
 import time
 
@@ -390,6 +392,34 @@ def upload_every_fragment(srv, tiny_config_path):
     delta = {n: theta[n] - t for n, t in train_copy(tiny_config_path, theta, seed=5).items()}
     upload_island(client, plan, "a", 1, delta, step=4, tokens=100, steps=4, versions=[0] * 4)
     return client, theta, delta
+
+
+def test_a_long_poll_whose_client_went_away_ends_quietly(tiny_config_path, tmp_path, caplog):
+    # An island's downloader drops its long poll whenever it wants another fragment. The
+    # answer then met a closed connection, and aiohttp logged it as an error with a
+    # traceback (whose frames kept the body alive until the cyclic collector ran).
+    cfg = make_cfg(
+        tiny_config_path, tmp_path / "s", policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    )
+    srv = ServerThread(cfg)
+    try:
+        poll = socket.create_connection((srv.host, srv.port))
+        poll.sendall(
+            b"GET /v1/fragments?known=0,0,0,0&wait=30&world_size=1&rank=0 HTTP/1.1\r\n"
+            b"Host: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+        )
+        time.sleep(0.3)  # waiting for a newer version ...
+        poll.close()  # ... when its client goes away
+        with caplog.at_level(logging.DEBUG):
+            client = upload_every_fragment(srv, tiny_config_path)[0]
+            wait_versions(client, [1, 1, 1, 1])  # the long poll's answer is written now
+            time.sleep(0.3)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+        assert any("went away" in r.getMessage() for r in caplog.records), caplog.text
+        assert client.versions() == [1, 1, 1, 1]
+    finally:
+        srv.stop()
 
 
 def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp_path):
