@@ -60,6 +60,8 @@ MAX_BACKOFF_S = 30.0
 HEALTH_EVERY_S = 5.0
 """How often supervision asks a live coordinator whether it answers (``coordinator_hang_s``)."""
 HEALTH_TIMEOUT_S = 2.0
+HANG_DUMP_S = 1.0
+"""How long a hung coordinator is given to write its threads' stacks before it is killed."""
 
 
 class CoordinatorStartError(RuntimeError):
@@ -448,7 +450,8 @@ class LocalRun:
         """Whether the live coordinator ``c`` answered once and has not answered its health
         check for ``coordinator_hang_s`` since; then it is killed (it would not hear a
         SIGTERM: its event loop is stuck), and its death restarts it. Asked every
-        ``HEALTH_EVERY_S``: on a hung one each ask waits ``HEALTH_TIMEOUT_S``."""
+        ``HEALTH_EVERY_S``: on a hung one each ask waits ``HEALTH_TIMEOUT_S``. Before the
+        kill, SIGUSR1 has it write every thread's stack into its log."""
         hang = self.cfg.coordinator_hang_s
         if hang <= 0 or now < self._health_at:
             return False
@@ -464,7 +467,14 @@ class LocalRun:
         silent = time.monotonic() - self._answered_at
         if silent < hang:
             return False
-        self.event("coordinator hung", silent_s=round(silent, 1), coordinator_hang_s=hang)
+        self.event("coordinator hung", silent_s=round(silent, 1), coordinator_hang_s=hang,
+                   log=str(self.workdir / "coordinator.log"))  # fmt: skip
+        # Its threads' stacks into its log first (faulthandler, which needs no GIL and no
+        # event loop: see server.serve_forever): what it hung on is kept for a fix.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(c.pid, signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.wait(timeout=HANG_DUMP_S)
         _signal_group(c, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.wait(timeout=10)

@@ -478,6 +478,11 @@ def test_a_hung_coordinator_is_killed_and_restarted_and_a_starting_one_is_left_a
         supervise_for(1.0)  # it answers: nothing happens
         assert lr.events == []
         hung = lr.coordinator
+        # What a hung one is sent before the kill: its threads' stacks go to its log.
+        log = lr.workdir / "coordinator.log"
+        os.kill(hung.pid, signal.SIGUSR1)
+        _wait_for(lambda: "Current thread" in log.read_text(), 10, "the stacks in its log")
+        assert "serve_forever" in log.read_text() and hung.poll() is None
         os.kill(hung.pid, signal.SIGSTOP)
         supervise_for(60, until=lambda: lr.coordinator is not hung)
         assert hung.returncode == -signal.SIGKILL, lr.events
@@ -494,6 +499,7 @@ def test_a_hung_coordinator_is_killed_and_restarted_and_a_starting_one_is_left_a
     assert [e["event"] for e in lr.events] == [
         "coordinator hung", "coordinator died", "coordinator restarted"], lr.events  # fmt: skip
     assert 2.0 <= lr.events[0]["silent_s"] < 10, lr.events
+    assert lr.events[0]["log"] == str(log)
     assert lr.coordinator_restarts == 1
 
 
