@@ -7,8 +7,10 @@ The expected global model is computed here with plain tensors and torch's SGD.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import random
 import re
 import socket
 import threading
@@ -420,6 +422,93 @@ def test_a_long_poll_whose_client_went_away_ends_quietly(tiny_config_path, tmp_p
         assert client.versions() == [1, 1, 1, 1]
     finally:
         srv.stop()
+
+
+def test_the_coordinator_answers_throughout_uploads_dropped_polls_and_collections(
+    tiny_config_path, tmp_path
+):
+    # Everything at once, as a busy run has it: two islands upload every fragment as fast
+    # as they can, two clients drop long polls while they wait and while their bodies
+    # come, and the collector runs every few allocations (finalisers give versions'
+    # buffers back from whatever thread it runs on). The coordinator must answer its
+    # health check throughout, merge on, and end with no buffer lost. (The freeze of
+    # f6aa872 was too rare to show here: its test sets the moment up exactly.)
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "s", islands=1))
+    plan = FragmentPlan.from_json(client_for(srv).plan()["plan"])
+    theta = srv.coord.global_tensors()
+    delta = {n: 1e-3 * torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
+             for n, t in theta.items()}  # fmt: skip
+    stop, errors = threading.Event(), []
+
+    def island(name):
+        c = client_for(srv)
+        inc = c.register(name, 1, plan.signature)["incarnation"]
+        step = 0
+        while not stop.is_set():
+            versions, step = c.versions(), step + 1
+            for frag in plan.fragments:
+                header = wire.UploadHeader(
+                    island=name, rank=0, world_size=1, fragment=frag.index, step=step,
+                    base_version=versions[frag.index], tokens=100, steps=1, incarnation=inc,
+                )  # fmt: skip
+                reply = c.upload(header, rank_slices(frag, delta, 1, 0))
+                assert reply["status"] in ("accepted", "dropped"), reply
+
+    def dropper():
+        rng = random.Random(0)
+        while not stop.is_set():
+            known = ",".join(str(v - rng.randint(0, 1)) for v in srv.coord.versions())
+            with socket.create_connection((srv.host, srv.port)) as conn:
+                conn.sendall(
+                    f"GET /v1/fragments?known={known}&wait=5&world_size=1&rank=0 HTTP/1.1\r\n"
+                    f"Host: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+                )
+                time.sleep(rng.uniform(0.0, 0.02))
+                if rng.random() < 0.5:
+                    conn.recv(rng.randint(1, 4096))  # the head, or part of the body
+
+    def guarded(fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            stop.set()
+
+    workers = [threading.Thread(target=guarded, args=a, daemon=True)
+               for a in ((island, "a"), (island, "b"), (dropper,), (dropper,))]  # fmt: skip
+    health, slowest = CoordinatorClient(srv.url, TOKEN, retries=0, timeout_s=5.0), 0.0
+    thresholds = gc.get_threshold()
+    gc.set_threshold(20, 2, 2)  # a full collection every few hundred allocations
+    try:
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not stop.is_set():
+            t0 = time.monotonic()
+            health.health()  # raises after 5 s without an answer
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.05)
+        stop.set()
+        for w in workers:
+            w.join(timeout=30)
+        assert not any(w.is_alive() for w in workers), "a client waited on the coordinator"
+        assert errors == [], errors
+        versions = health.versions()
+        assert min(versions) >= 5, versions  # it merged on throughout
+        # Once the last rounds are merged and the last bodies gone, only the served values
+        # hold a buffer: every other version's came back.
+        settle = time.monotonic() + 10.0
+        while time.monotonic() < settle:
+            gc.collect()
+            if srv.coord._buffers.usage()["in_use"] == len(plan.fragments):
+                break
+            time.sleep(0.1)
+        assert srv.coord._buffers.usage()["in_use"] == len(plan.fragments)
+    finally:
+        gc.set_threshold(*thresholds)
+        stop.set()
+        srv.stop()
+    assert slowest < 2.0, slowest
 
 
 def test_the_round_loop_outlives_a_failure_in_the_schedule(tiny_config_path, tmp_path):
