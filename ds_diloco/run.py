@@ -414,13 +414,14 @@ class LocalRun:
         return min(self.cfg.restart_backoff_s * 2**restarts, MAX_BACKOFF_S)
 
     def _supervise_coordinator(self, now: float) -> None:
-        """Restart a coordinator that exited as an island is (``max_restarts``, ``_backoff``),
-        and not before ``coordinator_hold_until``; past ``max_restarts`` the run stops
-        (restarted at once and without end, a coordinator that crashed whenever it served
-        kept the run going round that loop). The new one is spawned, not waited for: the
-        islands reach it when it is up, supervision goes on meanwhile, and one that exits
-        while starting is one more death (waited for, one that exited before it answered
-        stopped the run at once, and supervision stood still for up to 120 s)."""
+        """Restart a coordinator that exited (or hung: ``_hung``) as an island is
+        (``max_restarts``, ``_backoff``), and not before ``coordinator_hold_until``; past
+        ``max_restarts`` the run stops (restarted at once and without end, a coordinator
+        that crashed whenever it served kept the run going round that loop). The new one
+        is spawned, not waited for: the islands reach it when it is up, supervision goes on
+        meanwhile, and one that exits while starting is one more death (waited for, one
+        that exited before it answered stopped the run at once, and supervision stood
+        still for up to 120 s)."""
         c = self.coordinator
         if c is None or self._stopping or (c.poll() is None and not self._hung(c, now)):
             return
