@@ -157,6 +157,12 @@ class CoordinatorConfig:
     (a crash then resumes at older values, under a higher version number)."""
     uptime_window_s: float = 10.0
     """Uptime is the share of windows of this many seconds in which some fragment advanced."""
+    stall_exit_s: float = 120.0
+    """A coordinator process whose event loop does not come round for this long (a
+    deadlock: nothing it does holds the loop for more than moments) writes every thread's
+    stack to its log and exits (status 1), for its supervisor (``ds-diloco run``, systemd,
+    Kubernetes) to restart it: merges are on disk before they are served. Not while it
+    starts or saves at shutdown. 0: never."""
     token: str | None = None
     """Bearer token; default: $DS_DILOCO_TOKEN, else a random one written to state_dir/token."""
     tls_cert: str | None = None
@@ -201,6 +207,10 @@ class CoordinatorConfig:
                 continue
             if not _finite(getattr(self, name), 0, strict=True):
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if not _finite(self.stall_exit_s):
+            raise ValueError(
+                f"stall_exit_s must be >= 0 (0: never) and finite, got {self.stall_exit_s}"
+            )
         _check_port("port", self.port)
         for pattern in self.plain_patterns:  # a bad one would fail at the first merge
             try:

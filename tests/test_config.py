@@ -401,6 +401,8 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"coordinator.max_body_mb": INF}, r"coordinator: max_body_mb must be > 0 and finite, got inf"),
         ({"coordinator.island_timeout_s": NAN}, r"coordinator: island_timeout_s must be > 0 and finite"),
         ({"coordinator.uptime_window_s": NAN}, r"coordinator: uptime_window_s must be > 0 and finite"),
+        ({"coordinator.stall_exit_s": -1}, r"coordinator: stall_exit_s must be >= 0 \(0: never\)"),
+        ({"coordinator.stall_exit_s": INF}, r"coordinator: stall_exit_s must be >= 0 \(0: never\) and finite, got inf"),
         ({"coordinator.port": 70000}, r"coordinator: port must be in 0..65535, got 70000"),
         ({"coordinator.port": -1}, r"coordinator: port must be in 0..65535, got -1"),
         ({"coordinator.plain_patterns": ["embed", "[bad"]}, r"plain_patterns: '\[bad' is not a regex"),

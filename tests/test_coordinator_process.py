@@ -192,3 +192,41 @@ def test_a_new_coordinator_never_holds_the_model_twice(tiny_config_path, tmp_pat
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["model"] > 100e6, got
     assert got["peak"] < 1.6 * got["model"], got
+
+
+STALL = """
+import asyncio, sys, time
+from ds_diloco.stall_exit import StallExit
+
+async def main():
+    watch = StallExit(asyncio.get_running_loop(), 1.0)
+    watch.start()
+    await asyncio.sleep(1.5)  # the loop comes round: re-armed, no exit
+    if sys.argv[1] == "stop":  # what the final save does first
+        watch.stop()
+    print("stalling", flush=True)
+
+    def stuck_on_a_lock():
+        time.sleep(float(sys.argv[2]))
+
+    stuck_on_a_lock()
+
+asyncio.run(main())
+print("went on", flush=True)
+"""
+
+
+def test_a_coordinator_whose_event_loop_stalls_writes_its_stacks_and_exits():
+    # A coordinator froze for good once (f6aa872): its loop waited on a lock, it answered
+    # nothing, SIGTERM included, and its process lived on, so nothing restarted it.
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", STALL, "stall", "5"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert p.returncode == 1 and "went on" not in p.stdout, (p.stdout, p.stderr)
+    assert "stalling" in p.stdout, p.stderr  # not before: a loop that comes round is left be
+    assert "Timeout (0:00:01)!" in p.stderr and "in stuck_on_a_lock" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 60
+    # Stopped (the final save may hold the loop for long on purpose): no exit.
+    p = subprocess.run([sys.executable, "-c", STALL, "stop", "1.5"], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "went on" in p.stdout, (p.stdout, p.stderr)
