@@ -474,11 +474,7 @@ class LocalRun:
         # event loop: see server.serve_forever): what it hung on is kept for a fix.
         with contextlib.suppress(ProcessLookupError):
             os.kill(c.pid, signal.SIGUSR1)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.wait(timeout=HANG_DUMP_S)
-        _signal_group(c, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.wait(timeout=10)
+        _wait(c, HANG_DUMP_S)  # then SIGKILL, and its group gone
         return True
 
     def finished(self) -> bool:
