@@ -806,8 +806,9 @@ def test_a_version_the_garbage_collector_frees_inside_the_pool_goes_back_without
     # to SIGTERM). A download cut short by its client left its body in a reference cycle
     # (the exception's traceback); the cyclic collector freed it later, at an allocation
     # inside a pool call on another thread, with the pool's lock held; the version's
-    # finaliser asked the pool for that lock again. The event loop then waited for the
-    # bookkeeping lock that thread held.
+    # finaliser asked the pool for that lock again (not caught live: the cause that fits).
+    # A thread that holds the bookkeeping lock meanwhile (``_finish`` gives rows back under
+    # it) stops the event loop too, which takes that lock on every long poll.
     kw = dict(policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))
     coord = make(tiny_config_path, tmp_path / "s", Clock(), **kw)
     coord.register("a", 1, coord.plan.signature)

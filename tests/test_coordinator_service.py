@@ -396,6 +396,16 @@ def upload_every_fragment(srv, tiny_config_path):
     return client, theta, delta
 
 
+def _long_poll(srv, known: str, wait: float) -> socket.socket:
+    """A long poll for fragments on a raw connection, which its caller may drop at will."""
+    conn = socket.create_connection((srv.host, srv.port))
+    conn.sendall(
+        f"GET /v1/fragments?known={known}&wait={wait:g}&world_size=1&rank=0 HTTP/1.1\r\n"
+        f"Host: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+    )
+    return conn
+
+
 def test_a_long_poll_whose_client_went_away_ends_quietly(tiny_config_path, tmp_path, caplog):
     # An island's downloader drops its long poll whenever it wants another fragment. The
     # answer then met a closed connection, and aiohttp logged it as an error with a
@@ -405,11 +415,7 @@ def test_a_long_poll_whose_client_went_away_ends_quietly(tiny_config_path, tmp_p
     )
     srv = ServerThread(cfg)
     try:
-        poll = socket.create_connection((srv.host, srv.port))
-        poll.sendall(
-            b"GET /v1/fragments?known=0,0,0,0&wait=30&world_size=1&rank=0 HTTP/1.1\r\n"
-            b"Host: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
-        )
+        poll = _long_poll(srv, "0,0,0,0", 30)
         time.sleep(0.3)  # waiting for a newer version ...
         poll.close()  # ... when its client goes away
         with caplog.at_level(logging.DEBUG):
@@ -458,11 +464,7 @@ def test_the_coordinator_answers_throughout_uploads_dropped_polls_and_collection
         rng = random.Random(0)
         while not stop.is_set():
             known = ",".join(str(v - rng.randint(0, 1)) for v in srv.coord.versions())
-            with socket.create_connection((srv.host, srv.port)) as conn:
-                conn.sendall(
-                    f"GET /v1/fragments?known={known}&wait=5&world_size=1&rank=0 HTTP/1.1\r\n"
-                    f"Host: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
-                )
+            with _long_poll(srv, known, 5) as conn:
                 time.sleep(rng.uniform(0.0, 0.02))
                 if rng.random() < 0.5:
                     conn.recv(rng.randint(1, 4096))  # the head, or part of the body
