@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from ds_diloco import gc_tuning
@@ -31,6 +33,9 @@ def _coordinator(args) -> int:
 
 
 def _island(args) -> int:
+    # `kill -USR1 <rank pid>` writes every thread's stack to the island's log, live (a rank
+    # stuck for train.stall_exit_s writes them itself, and exits).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with gc_tuning.paused_for_setup():  # until the first step
         from ds_diloco.config import load_island_config
         from ds_diloco.island import run_island

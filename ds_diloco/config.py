@@ -353,6 +353,15 @@ class TrainConfig:
     """With ``sync_blocks``: the first block is the plain one, the learner steps from the
     second (the bench alternates the two orders, so that a launch's own warm-up weighs
     on both sides alike)."""
+    stall_exit_s: float = 600.0
+    """A rank whose training loop has not come round for this long (a peer frozen in a
+    collective, a deadlock, a dead disk) writes every thread's stack to the island's log
+    and exits (status 1); its launcher then stops the other ranks and ``ds-diloco run``
+    (or whatever restarts the job) restarts the island, which resumes from its last
+    checkpoint. Watched from the first step to the last, checkpoint saves left out (the
+    final flush has bounded waits of its own): it must cover one inner step and the
+    ``eval_every`` evaluation after it. Far below the process group's timeout (30 min),
+    after which a collective would fail. 0: never."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps, and at the last step, into the island's workdir; a restarted island resumes
@@ -390,6 +399,10 @@ class TrainConfig:
             )
         if not _finite(self.weight_decay):
             raise ValueError(f"train.weight_decay must be >= 0 and finite, got {self.weight_decay}")
+        if not _finite(self.stall_exit_s):
+            raise ValueError(
+                f"train.stall_exit_s must be >= 0 (0: never) and finite, got {self.stall_exit_s}"
+            )
         if not _finite(self.step_delay_s):
             raise ValueError(f"train.step_delay_s must be >= 0 and finite, got {self.step_delay_s}")
         if self.seed < 0:

@@ -37,6 +37,7 @@ from ds_diloco.data import (
 from ds_diloco.hf_model import lm_loss
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
+from ds_diloco.stall_exit import StallExit
 from ds_diloco.syncer import Diverged
 
 log = logging.getLogger(__name__)
@@ -238,55 +239,60 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     setup_private_mb = _private_mb()
     slow = _FaultHook(workdir, rank)
     gc_tuning.resume_after_setup()  # the same in both modes, before the first timed step
-    t_start = time.perf_counter()
-    for step in range(start_step + 1, t.steps + 1):
-        t0 = time.perf_counter()
-        slow.wait()
-        losses = []
-        for _ in range(t.grad_accum):  # DeepSpeed steps AdamW after the last one
-            input_ids, labels = (x.to(engine.device) for x in next(loader))
-            loss = lm_loss(engine, input_ids, labels)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-        batches += t.grad_accum
-        loss = sum(losses) / len(losses)  # the step's mean, for the progress records
-        if t.step_delay_s:
-            time.sleep(t.step_delay_s)
-        t1 = time.perf_counter()
-        mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
-        tokens += mine * world
-        on = learner_steps_at(step, t.sync_blocks, t.sync_blocks_off_first)
-        applied = learner.step(tokens=mine, sync=on)
-        t2 = time.perf_counter()
-        step_s += t1 - t0
-        sync_s += t2 - t1
-        sync_max_s = max(sync_max_s, t2 - t1)
-        step_times.append(t2 - t0)
-        step_rss_mb.append(_rss_mb())
-        record = None
-        if step % t.log_every == 0 or step == t.steps:
-            record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
-                      "tokens": tokens, "versions": learner.versions(), "applied": applied,
-                      "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
-        if t.eval_every and step % t.eval_every == 0:
-            ev = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
-            record = {**(record or {"island": cfg.island, "step": step}), "heldout_loss": ev}
-        if record and progress:
-            progress.write(json.dumps(record) + "\n")
-            progress.flush()
-        # The last step too: a finished run resumed with more steps goes on from its end
-        # (it repeated the steps after its last periodic checkpoint).
-        if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-            if not zero.model_finite(engine):  # a restart must not resume a diverged state
-                raise Diverged(
-                    f"island {cfg.island!r} rank {rank}: its model is not finite (NaN, Inf or "
-                    f"values whose squares overflow float32) at step {step}: not checkpointed "
-                    "(a restart resumes the last checkpoint, saved while it was, and takes "
-                    "the global model)"
-                )
-            state = {"step": step, "tokens": tokens, "batches": batches}
-            zero.save_checkpoint(engine, ckpt_dir, step, state)
+    # A rank stuck from here to the last step exits, its stacks in the log (a frozen peer
+    # holds every rank in the next collective, so each one's watch sees it).
+    with StallExit(t.stall_exit_s) as stall:
+        t_start = time.perf_counter()
+        for step in range(start_step + 1, t.steps + 1):
+            stall.beat()
+            t0 = time.perf_counter()
+            slow.wait()
+            losses = []
+            for _ in range(t.grad_accum):  # DeepSpeed steps AdamW after the last one
+                input_ids, labels = (x.to(engine.device) for x in next(loader))
+                loss = lm_loss(engine, input_ids, labels)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+            batches += t.grad_accum
+            loss = sum(losses) / len(losses)  # the step's mean, for the progress records
+            if t.step_delay_s:
+                time.sleep(t.step_delay_s)
+            t1 = time.perf_counter()
+            mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
+            tokens += mine * world
+            on = learner_steps_at(step, t.sync_blocks, t.sync_blocks_off_first)
+            applied = learner.step(tokens=mine, sync=on)
+            t2 = time.perf_counter()
+            step_s += t1 - t0
+            sync_s += t2 - t1
+            sync_max_s = max(sync_max_s, t2 - t1)
+            step_times.append(t2 - t0)
+            step_rss_mb.append(_rss_mb())
+            record = None
+            if step % t.log_every == 0 or step == t.steps:
+                record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
+                          "tokens": tokens, "versions": learner.versions(), "applied": applied,
+                          "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
+            if t.eval_every and step % t.eval_every == 0:
+                ev = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+                record = {**(record or {"island": cfg.island, "step": step}), "heldout_loss": ev}
+            if record and progress:
+                progress.write(json.dumps(record) + "\n")
+                progress.flush()
+            # The last step too: a finished run resumed with more steps goes on from its end
+            # (it repeated the steps after its last periodic checkpoint).
+            if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+                if not zero.model_finite(engine):  # a restart must not resume a diverged state
+                    raise Diverged(
+                        f"island {cfg.island!r} rank {rank}: its model is not finite (NaN, Inf or "
+                        f"values whose squares overflow float32) at step {step}: not checkpointed "
+                        "(a restart resumes the last checkpoint, saved while it was, and takes "
+                        "the global model)"
+                    )
+                state = {"step": step, "tokens": tokens, "batches": batches}
+                with stall.paused():  # as long as the disk takes
+                    zero.save_checkpoint(engine, ckpt_dir, step, state)
     wall = time.perf_counter() - t_start
     learner.close(leave=True)  # done for good: no quorum should count on this island now
     end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -218,6 +219,7 @@ class LocalRun:
         self._island_args: dict[str, tuple] = {}
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
+        self._log_at: dict[str, int] = {}  # per island, its log's size when its launch began
         self.given_up: set[str] = set()
         self.superseded: set[str] = set()  # of given_up: a later launch of the island took over
         self.coordinator_restarts = 0
@@ -336,6 +338,7 @@ class LocalRun:
         cmd = [*launcher_cmd(spec, port), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
         with stop_deferred(), (d / "log.txt").open("a") as log:  # restarts append to the same log
+            self._log_at[spec.name] = log.tell()  # where this launch's lines begin
             proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -406,7 +409,12 @@ class LocalRun:
             delay = self._backoff(n)
             self._restart_at[name] = now + delay
             what = "island diverged" if rc == Diverged.exit_code else "island died"
-            self.event(what, island=name, exit=rc, restart_in_s=delay)
+            stalled = _stall_line(self.island_dir(name) / "log.txt", self._log_at.get(name, 0))
+            why = {}
+            if stalled:  # a rank's own watch (train.stall_exit_s) stopped it
+                why["why"] = (f"stalled: a rank's training loop did not come round for "
+                              f"train.stall_exit_s ({stalled}); the ranks' stacks are in its log")  # fmt: skip
+            self.event(what, island=name, exit=rc, restart_in_s=delay, **why)
         self._supervise_coordinator(now)
 
     def _backoff(self, restarts: int) -> float:
@@ -742,6 +750,21 @@ def _error_line(log: Path) -> str | None:
     prefix = "ds-diloco: error: "
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     return next((ln[len(prefix) :] for ln in reversed(lines) if ln.startswith(prefix)), None)
+
+
+def _stall_line(log: Path, since: int, tail_bytes: int = 1 << 20) -> str | None:
+    """How long a rank of the launch whose lines begin at ``since`` went without a step
+    before its watch stopped it (faulthandler's ``Timeout (0:10:00)!``, ``StallExit``), or
+    None if none did."""
+    try:
+        with log.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(since, size - tail_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    found = re.search(r"Timeout \((\d+:\d\d:\d\d(?:\.\d+)?)\)!", text)  # ranks' lines may mix
+    return found.group(1) if found else None
 
 
 def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:

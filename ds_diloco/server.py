@@ -29,7 +29,7 @@ from ds_diloco import gc_tuning, tls, wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.metrics import prometheus_text
-from ds_diloco.stall_exit import StallExit
+from ds_diloco.stall_exit import LoopStallExit
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 3.0
@@ -584,7 +584,7 @@ def serve_forever(cfg: CoordinatorConfig, ready=None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        stall = StallExit(loop, cfg.stall_exit_s)
+        stall = LoopStallExit(loop, cfg.stall_exit_s)
         stall.start()
         await stop.wait()
         stall.stop()

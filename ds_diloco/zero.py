@@ -411,7 +411,8 @@ def model_finite(engine) -> bool:
     are not finite, so a diverged model is more often huge than NaN."""
     access = ZeroShardAccess(engine)
     trained = [name for name in access.params if access.trains(name)]  # frozen: written only
-    ok = all(math.isfinite(sq_norm(access.read(name))) for name in trained)
+    # detach: a master partition may require grad, and float() of one warns in every log
+    ok = all(math.isfinite(sq_norm(access.read(name).detach())) for name in trained)
     return min(row[0] for row in island_gather([int(ok)])) == 1
 
 

@@ -196,10 +196,10 @@ def test_a_new_coordinator_never_holds_the_model_twice(tiny_config_path, tmp_pat
 
 STALL = """
 import asyncio, sys, time
-from ds_diloco.stall_exit import StallExit
+from ds_diloco.stall_exit import LoopStallExit
 
 async def main():
-    watch = StallExit(asyncio.get_running_loop(), 1.0)
+    watch = LoopStallExit(asyncio.get_running_loop(), 1.0)
     watch.start()
     await asyncio.sleep(1.5)  # the loop comes round: re-armed, no exit
     if sys.argv[1] == "stop":  # what the final save does first

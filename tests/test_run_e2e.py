@@ -311,6 +311,84 @@ def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint
     assert after["merged"] > before["merged"], (before, after)
 
 
+STALL_S = 8.0  # train.stall_exit_s: a few steps of 0.2-0.5 s, far over one
+
+
+def test_a_frozen_rank_stalls_its_island_whose_ranks_exit_with_their_stacks_and_it_resumes(
+    tmp_path, tiny_config_path
+):
+    # A rank that freezes (a GPU or host that stops, here SIGSTOP) does not exit: its peer
+    # waits in the next collective, and before train.stall_exit_s both waited 30 min (the
+    # process group's timeout). Now the peer's own watch stops it, with its stacks in the
+    # log; the launcher takes the frozen rank down (SIGKILL after 30 s: it cannot hear a
+    # SIGTERM), and the run restarts the island, which resumes from its checkpoint.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
+                          steps=STEPS_KILL)  # fmt: skip
+    run = json.loads(path.read_text())
+    run["train"].update(checkpoint_every=4, step_delay_s=0.1, stall_exit_s=STALL_S)
+    path.write_text(json.dumps({**run, "max_restarts": 1, "restart_backoff_s": 0.5}))
+    lr = LocalRun(load_run_config(path))
+    island = lr.workdir / "islands" / "two"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        lr.start_coordinator()
+        lr.start_islands()
+
+        def past_a_checkpoint():
+            latest = island / "checkpoints" / "latest"
+            return latest.exists() and lr.island_records()["two"].get("step", 0) >= 6
+
+        _wait_for(past_a_checkpoint, 300, "the island to train past its first checkpoint")
+        ranks = lr.rank_pids("two")
+        os.kill(ranks[1], signal.SIGSTOP)
+        frozen_at, frozen_step = time.monotonic(), lr.island_records()["two"]["step"]
+        deadline = time.monotonic() + 300
+        died_after = None
+        while not lr.finished():
+            assert time.monotonic() < deadline, (lr.events, lr.island_records())
+            lr.supervise()
+            if died_after is None and lr.events:
+                died_after = time.monotonic() - frozen_at
+            time.sleep(0.1)
+    finally:
+        lr.stop()
+    assert frozen_step < STEPS_KILL, "the island finished before the freeze"
+    assert [(e["event"], e["island"]) for e in lr.events] == [
+        ("island died", "two"), ("island restarted", "two")], lr.events  # fmt: skip
+    died = lr.events[0]
+    assert died["exit"] != 0 and died["why"].startswith(
+        "stalled: a rank's training loop did not come round for train.stall_exit_s (0:00:08)"
+    ), died
+    # The watch, plus the launcher's 30 s wait on the frozen rank's SIGTERM, not 30 min.
+    print(f"the island died {died_after:.1f} s after the freeze")
+    assert STALL_S * 15 / 16 <= died_after < STALL_S + 30 + 30, died_after
+    assert not psutil.pid_exists(ranks[1])
+    log = (island / "log.txt").read_text()
+    stacks = log[log.index("Timeout (0:00:08)!") :]
+    assert 'File "' in stacks and "ds_diloco/island.py" in stacks, stacks[:3000]
+    assert "UserWarning" not in log, log[log.index("UserWarning") - 500 :][:2000]
+    assert lr.islands["two"].returncode == 0
+    starts = [r for line in (island / "progress.jsonl").read_text().splitlines()
+              if "started_at" in (r := json.loads(line))]  # fmt: skip
+    assert [r["resumed"] for r in starts] == [False, True], starts
+    for rank in (0, 1):
+        s = json.loads((island / f"summary-rank{rank}.json").read_text())
+        assert s["steps"] == STEPS_KILL and s["start_step"] == starts[1]["step"] >= 4, s
+
+
+def test_a_stall_is_read_only_from_the_log_of_the_launch_that_died(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("step 3\nTimeout (0:10:00)!\nThread 0x1 (most recent call first):\n")
+    since = log.stat().st_size  # the restarted launch's lines begin here
+    with log.open("a") as f:
+        f.write("[rank1]: RuntimeError: Connection reset by peer\n")
+    assert run_mod._stall_line(log, since) is None  # the earlier launch's stall is not this one's
+    with log.open("a") as f:  # two ranks' dumps may share a line
+        f.write("Thread 0x2 (most rTimeout (0:00:08.500000)!\n")
+    assert run_mod._stall_line(log, since) == "0:00:08.500000"
+    assert run_mod._stall_line(tmp_path / "none.txt", 0) is None
+
+
 def test_a_coordinator_that_cannot_start_stops_the_islands_started_with_it(
     tmp_path, tiny_config_path, kill_leftovers
 ):
