@@ -61,6 +61,9 @@ MAX_BACKOFF_S = 30.0
 HEALTH_EVERY_S = 5.0
 """How often supervision asks a live coordinator whether it answers (``coordinator_hang_s``)."""
 HEALTH_TIMEOUT_S = 2.0
+STALL_DUMP_S = 1.0
+"""An island whose rank wrote that its watch stopped it is killed this long after that is
+seen (its ranks' stacks written by then), if its launcher has not exited already."""
 HANG_DUMP_S = 1.0
 """How long a hung coordinator is given to write its threads' stacks before it is killed."""
 
@@ -220,6 +223,8 @@ class LocalRun:
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
         self._log_at: dict[str, int] = {}  # per island, its log's size when its launch began
+        self._log_read: dict[str, int] = {}  # ... and how far it was searched for a stall
+        self._stall_seen: dict[str, float] = {}  # ... and when a rank's stall was seen there
         self.given_up: set[str] = set()
         self.superseded: set[str] = set()  # of given_up: a later launch of the island took over
         self.coordinator_restarts = 0
@@ -338,7 +343,8 @@ class LocalRun:
         cmd = [*launcher_cmd(spec, port), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
         with stop_deferred(), (d / "log.txt").open("a") as log:  # restarts append to the same log
-            self._log_at[spec.name] = log.tell()  # where this launch's lines begin
+            self._log_at[spec.name] = self._log_read[spec.name] = log.tell()  # this launch's
+            self._stall_seen.pop(spec.name, None)  # lines begin here
             proc = subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -386,6 +392,12 @@ class LocalRun:
                     self.event("island restarted", island=name, restart=self.restarts[name])
                 continue
             rc = proc.poll()
+            if rc is None and self._stalled(name, now):
+                # A rank's watch (train.stall_exit_s) stopped it: the launch cannot go on
+                # (ZeRO-3 without a rank), and its launcher would wait 30 s for a frozen
+                # rank's SIGTERM before its SIGKILL.
+                _wait(proc, 0.0)
+                rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
                 continue
             _signal_group(proc, signal.SIGKILL)  # ranks the launcher left behind (if any)
@@ -416,6 +428,26 @@ class LocalRun:
                               f"train.stall_exit_s ({stalled}); the ranks' stacks are in its log")  # fmt: skip
             self.event(what, island=name, exit=rc, restart_in_s=delay, **why)
         self._supervise_coordinator(now)
+
+    def _stalled(self, name: str, now: float) -> bool:
+        """Whether a rank of island ``name``'s launch wrote that its watch stopped it (see
+        ``_stall_line``) at least ``STALL_DUMP_S`` ago, time for every rank's stacks to be
+        written. Asked every supervision round: only the log's new bytes are read."""
+        if name not in self._stall_seen:
+            log = self.island_dir(name) / "log.txt"
+            try:
+                size = log.stat().st_size
+            except FileNotFoundError:
+                return False
+            read = self._log_read.get(name, 0)
+            if size <= read:
+                return False
+            # From a little before: the line may have been cut between two reads.
+            if _stall_line(log, max(self._log_at.get(name, 0), read - 64)) is not None:
+                self._stall_seen[name] = now
+            self._log_read[name] = size
+        seen = self._stall_seen.get(name)
+        return seen is not None and now - seen >= STALL_DUMP_S
 
     def _backoff(self, restarts: int) -> float:
         """The wait before restarting a process restarted ``restarts`` times already."""

@@ -320,8 +320,8 @@ def test_a_frozen_rank_stalls_its_island_whose_ranks_exit_with_their_stacks_and_
     # A rank that freezes (a GPU or host that stops, here SIGSTOP) does not exit: its peer
     # waits in the next collective, and before train.stall_exit_s both waited 30 min (the
     # process group's timeout). Now the peer's own watch stops it, with its stacks in the
-    # log; the launcher takes the frozen rank down (SIGKILL after 30 s: it cannot hear a
-    # SIGTERM), and the run restarts the island, which resumes from its checkpoint.
+    # log; the run kills the island's processes at once (its launcher would wait 30 s for
+    # the frozen rank's SIGTERM) and restarts it, and it resumes from its checkpoint.
     path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
                           steps=STEPS_KILL)  # fmt: skip
     run = json.loads(path.read_text())
@@ -359,9 +359,9 @@ def test_a_frozen_rank_stalls_its_island_whose_ranks_exit_with_their_stacks_and_
     assert died["exit"] != 0 and died["why"].startswith(
         "stalled: a rank's training loop did not come round for train.stall_exit_s (0:00:08)"
     ), died
-    # The watch, plus the launcher's 30 s wait on the frozen rank's SIGTERM, not 30 min.
+    # The watch and STALL_DUMP_S, not the launcher's 30 s more (nor 30 min).
     print(f"the island died {died_after:.1f} s after the freeze")
-    assert STALL_S * 15 / 16 <= died_after < STALL_S + 30 + 30, died_after
+    assert STALL_S * 15 / 16 <= died_after < STALL_S + 15, died_after
     assert not psutil.pid_exists(ranks[1])
     log = (island / "log.txt").read_text()
     stacks = log[log.index("Timeout (0:00:08)!") :]
