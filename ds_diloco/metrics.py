@@ -11,14 +11,22 @@ fragment's send and its overwrite are not goodput.
 
 Uptime is the share of wall-time windows (``window_s``) since the first island
 joined in which some fragment advanced.
+
+``/metrics`` also carries the coordinator process's own memory, CPU time and file
+descriptors under the names Prometheus's process collector gives them
+(``process_resident_memory_bytes``, ...), which dashboards and alerts already know.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import resource
 from collections import Counter
 from typing import Any
+
+import psutil  # DeepSpeed's dependency too
 
 
 @dataclasses.dataclass
@@ -104,19 +112,46 @@ class RunMetrics:
         return m
 
 
-def prometheus_text(status: dict[str, Any]) -> str:
-    """The coordinator's status (``Coordinator.status()``) in Prometheus text format 0.0.4."""
+PROCESS_METRICS = {  # name (after process_) -> (kind, help)
+    "resident_memory_bytes": ("gauge", "Resident memory size in bytes."),
+    "virtual_memory_bytes": ("gauge", "Virtual memory size in bytes."),
+    "cpu_seconds_total": ("counter", "Total user and system CPU time spent in seconds."),
+    "open_fds": ("gauge", "Number of open file descriptors."),
+    "max_fds": ("gauge", "Maximum number of open file descriptors."),
+    "start_time_seconds": ("gauge", "Start time of the process since unix epoch in seconds."),
+}
+"""Prometheus's process collector's metrics (its client libraries export them by default)."""
+
+
+def process_stats() -> dict[str, float]:
+    """This process's ``PROCESS_METRICS`` (those the platform has)."""
+    p = psutil.Process()
+    with p.oneshot():
+        mem, cpu = p.memory_info(), p.cpu_times()
+        out = {"resident_memory_bytes": mem.rss, "virtual_memory_bytes": mem.vms,
+               "cpu_seconds_total": cpu.user + cpu.system, "start_time_seconds": p.create_time()}  # fmt: skip
+        with contextlib.suppress(AttributeError, psutil.Error):  # no descriptors on Windows
+            out["open_fds"] = p.num_fds()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY:
+        out["max_fds"] = soft
+    return out
+
+
+def prometheus_text(status: dict[str, Any], process: dict[str, float] | None = None) -> str:
+    """The coordinator's status (``Coordinator.status()``) in Prometheus text format 0.0.4,
+    and its ``process_stats()``, if given."""
     lines: list[str] = []
 
-    def metric(name: str, kind: str, help_: str, samples) -> None:
-        lines.append(f"# HELP ds_diloco_{name} {help_}")
-        lines.append(f"# TYPE ds_diloco_{name} {kind}")
+    def metric(name: str, kind: str, help_: str, samples, prefix: str = "ds_diloco_") -> None:
+        lines.append(f"# HELP {prefix}{name} {help_}")
+        lines.append(f"# TYPE {prefix}{name} {kind}")
         for labels, value in samples:
             if value is None:
                 continue
             lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-            lines.append(f"ds_diloco_{name}{{{lab}}} {float(value):.10g}" if lab
-                         else f"ds_diloco_{name} {float(value):.10g}")  # fmt: skip
+            lines.append(f"{prefix}{name}{{{lab}}} {float(value):.10g}" if lab
+                         else f"{prefix}{name} {float(value):.10g}")  # fmt: skip
 
     frags = range(len(status["versions"]))
     metric("fragment_version", "gauge", "Global version of each fragment.",
@@ -177,6 +212,9 @@ def prometheus_text(status: dict[str, Any]) -> str:
            [({}, buffers.get("in_use"))])  # fmt: skip
     metric("live_islands", "gauge", "Islands holding a live lease.",
            [({}, sum(1 for v in isl.values() if v["live"]))])  # fmt: skip
+    for name, value in (process or {}).items():
+        kind, help_ = PROCESS_METRICS[name]
+        metric(name, kind, help_, [({}, value)], prefix="process_")
     return "\n".join(lines) + "\n"
 
 

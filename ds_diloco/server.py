@@ -28,7 +28,7 @@ from aiohttp import web
 from ds_diloco import gc_tuning, tls, wire
 from ds_diloco.config import CoordinatorConfig
 from ds_diloco.coordinator import Coordinator, CoordinatorError
-from ds_diloco.metrics import prometheus_text
+from ds_diloco.metrics import process_stats, prometheus_text
 from ds_diloco.stall_exit import LoopStallExit
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class CoordinatorServer:
 
     async def metrics(self, request):
         """Prometheus text format (unauthenticated, like /healthz: scrape it from inside)."""
-        text = prometheus_text(await self._run(self.coord.status))
+        text = prometheus_text(await self._run(self.coord.status), process_stats())
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Format": "prometheus-0.0.4"})  # fmt: skip
 

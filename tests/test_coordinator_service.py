@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -562,9 +563,12 @@ def test_a_merge_whose_durable_write_fails_is_retried_by_the_round_loop(tiny_con
         (index, version), status = failed[0], client.status()
         assert version == 1
         assert status["merge_failures"] == [int(i == index) for i in range(4)]
-        assert (
-            f'ds_diloco_fragment_merge_failures_total{{fragment="{index}"}} 1' in client.metrics()
-        )
+        metrics = client.metrics()
+        assert f'ds_diloco_fragment_merge_failures_total{{fragment="{index}"}} 1' in metrics
+        # The coordinator's own memory, as Prometheus's process collector names it: here
+        # this test's process, the one the ServerThread runs in.
+        rss = float(re.search(r"^process_resident_memory_bytes (\S+)$", metrics, re.M).group(1))
+        assert 0.5 < rss / psutil.Process().memory_info().rss < 2, rss
         failure = status["last_merge_failure"][str(index)]
         assert "No space left" in failure["error"] and failure["back"] == ["a"]
         assert status["islands"]["a"]["merged"] == 4 and status["islands"]["a"]["dropped"] == 0

@@ -6,9 +6,11 @@ import re
 
 import pytest
 
-from ds_diloco.metrics import IslandTime, RunMetrics, goodput, prometheus_text
+from ds_diloco.metrics import IslandTime, RunMetrics, goodput, process_stats, prometheus_text
 
-LINE = re.compile(r'^ds_diloco_[a-z_]+(\{([a-z_]+="(?:[^"\\]|\\.)*",?)+\})? -?[0-9.e+-]+$')
+LINE = re.compile(
+    r'^(ds_diloco|process)_[a-z_]+(\{([a-z_]+="(?:[^"\\]|\\.)*",?)+\})? -?[0-9.e+-]+$'
+)
 
 
 def test_goodput_is_merged_step_time_over_allocated_time():
@@ -69,3 +71,22 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     assert "ds_diloco_upload_bytes_total 1000" in samples
     assert "ds_diloco_download_bytes_total 2500" in samples
     assert "ds_diloco_download_unchanged_bytes_total 4096" in samples
+
+
+def test_the_process_metrics_are_prometheus_process_collectors_and_this_processs_own():
+    stats = process_stats()
+    import psutil
+
+    me = psutil.Process()
+    assert 0.5 < stats["resident_memory_bytes"] / me.memory_info().rss < 2, stats
+    assert stats["virtual_memory_bytes"] >= stats["resident_memory_bytes"], stats
+    assert stats["cpu_seconds_total"] > 0 and stats["open_fds"] >= 3, stats
+    assert abs(stats["start_time_seconds"] - me.create_time()) < 1, stats
+    status = {"versions": [], "merges": [], "islands": {}}
+    text = prometheus_text(status, {**stats, "resident_memory_bytes": 123456789})
+    samples = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    assert not [ln for ln in samples if not LINE.match(ln)], samples
+    assert "process_resident_memory_bytes 123456789" in samples
+    assert "# TYPE process_cpu_seconds_total counter" in text
+    assert "# TYPE process_open_fds gauge" in text
+    assert not any(ln.startswith("process_") for ln in prometheus_text(status).splitlines())
