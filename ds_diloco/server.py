@@ -194,7 +194,7 @@ class CoordinatorServer:
         return web.json_response({"ok": True, "versions": self.coord.versions()})
 
     async def status(self, request):
-        return web.json_response(await self._run(self.coord.status))
+        return web.json_response({**await self._run(self.coord.status), "process": process_stats()})
 
     async def metrics(self, request):
         """Prometheus text format (unauthenticated, like /healthz: scrape it from inside)."""

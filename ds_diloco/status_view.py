@@ -38,6 +38,18 @@ def traffic_text(traffic: dict) -> str:
     return text
 
 
+def process_text(process: dict, now: float | None = None) -> str:
+    """The coordinator process's own figures (``metrics.process_stats``): what to watch
+    over a long run (a memory that only grows, descriptors running out)."""
+    up = max(0.0, (time.time() if now is None else now) - process["start_time_seconds"])
+    h, m = divmod(int(up) // 60, 60)
+    fds = process.get("open_fds")
+    files = "" if fds is None else f", {fds} open files" + (
+        f" of {process['max_fds']}" if "max_fds" in process else "")  # fmt: skip
+    return (f"{_mb(process['resident_memory_bytes'])} resident, "
+            f"{process['cpu_seconds_total']:,.1f} s CPU{files}, up {h}h{m:02d}m")  # fmt: skip
+
+
 def _range(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return str(lo) if lo == hi else f"{lo}..{hi}"
@@ -79,6 +91,9 @@ def _render(st: dict, url: str) -> str:
     if buffers:
         out.append(f"fragment buffers: {buffers['held']} ({_mb(buffers['bytes'])}; values, "
                    f"rows, merges), {buffers['in_use']} in use")  # fmt: skip
+    process = st.get("process")  # not from a coordinator before this field
+    if process:
+        out.append(f"coordinator process: {process_text(process)}")
     islands = st["islands"]
     if islands:
         cols = ("island", "ranks", "state", "step", "step time", "merged", "dropped",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import psutil
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.fragments import FragmentPlan
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
-from ds_diloco.status_view import StatusError, render
+from ds_diloco.status_view import StatusError, process_text, render
 
 TOKEN = "status-token"
 
@@ -93,6 +95,12 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
         f"fragment buffers: {b['held']} ({b['bytes'] / 1e6:,.1f} MB; values, rows, merges), "
         "2 in use"
     )
+    # The coordinator's own process (here this test's, which the server runs in).
+    proc = re.fullmatch(r"coordinator process: ([\d,.]+) MB resident, [\d,.]+ s CPU, "
+                        r"(\d+) open files( of \d+)?, up 0h00m", lines[4])  # fmt: skip
+    assert proc, lines[4]
+    rss = float(proc.group(1).replace(",", "")) * 1e6
+    assert 0.5 < rss / psutil.Process().memory_info().rss < 2 and int(proc.group(2)) >= 3, lines[4]
     row = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["a"], ["b"])}
     assert row["a"][2] == "left" and row["b"][2] == "live"
     assert row["a"][5] == "2" and row["b"][5] == "2"  # contributions merged
@@ -126,3 +134,14 @@ def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, mon
 def test_render_refuses_a_document_that_is_not_a_status():
     with pytest.raises(StatusError, match="not a coordinator status document"):
         render({"versions": [0]})
+
+
+def test_the_coordinator_process_line_gives_memory_cpu_files_and_uptime():
+    process = {"resident_memory_bytes": 2_500_000_000, "virtual_memory_bytes": 9e9,
+               "cpu_seconds_total": 12345.67, "open_fds": 40, "max_fds": 1024,
+               "start_time_seconds": 1000.0}  # fmt: skip
+    assert process_text(process, now=1000.0 + 3 * 3600 + 7 * 60 + 59) == (
+        "2,500.0 MB resident, 12,345.7 s CPU, 40 open files of 1024, up 3h07m"
+    )
+    del process["open_fds"], process["max_fds"]  # a platform without them
+    assert process_text(process, now=0.0) == "2,500.0 MB resident, 12,345.7 s CPU, up 0h00m"
