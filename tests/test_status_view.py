@@ -97,7 +97,7 @@ def test_status_shows_islands_open_rounds_and_merges(server, capsys):
     )
     # The coordinator's own process (here this test's, which the server runs in).
     proc = re.fullmatch(r"coordinator process: ([\d,.]+) MB resident, [\d,.]+ s CPU, "
-                        r"(\d+) open files( of \d+)?, up 0h00m", lines[4])  # fmt: skip
+                        r"(\d+) open files( of \d+)?, up \d+h\d\dm", lines[4])  # fmt: skip
     assert proc, lines[4]
     rss = float(proc.group(1).replace(",", "")) * 1e6
     assert 0.5 < rss / psutil.Process().memory_info().rss < 2 and int(proc.group(2)) >= 3, lines[4]
