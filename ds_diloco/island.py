@@ -242,6 +242,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     # A rank stuck from here to the last step exits, its stacks in the log (a frozen peer
     # holds every rank in the next collective, so each one's watch sees it).
     with StallExit(t.stall_exit_s) as stall:
+        if stall.armed and rank == 0:  # what a "Timeout (...)!" further down this log means
+            log.info("island %s: a rank whose step takes over %g s (train.stall_exit_s) writes "
+                     "its stacks here and exits", cfg.island, t.stall_exit_s)  # fmt: skip
         t_start = time.perf_counter()
         for step in range(start_step + 1, t.steps + 1):
             stall.beat()
