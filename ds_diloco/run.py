@@ -224,7 +224,8 @@ class LocalRun:
         self._restart_at: dict[str, float] = {}
         self._log_at: dict[str, int] = {}  # per island, its log's size when its launch began
         self._log_read: dict[str, int] = {}  # ... and how far it was searched for a stall
-        self._stall_seen: dict[str, float] = {}  # ... and when a rank's stall was seen there
+        self._stall_seen: dict[str, tuple[str, float]] = {}  # ... a rank's stall seen there:
+        # (how long, when seen)
         self.given_up: set[str] = set()
         self.superseded: set[str] = set()  # of given_up: a later launch of the island took over
         self.coordinator_restarts = 0
@@ -392,10 +393,13 @@ class LocalRun:
                     self.event("island restarted", island=name, restart=self.restarts[name])
                 continue
             rc = proc.poll()
-            if rc is None and self._stalled(name, now):
+            watched = rc != 0 and name not in self.given_up
+            stall = self._look_for_stall(name, now) if watched else None
+            if rc is None and stall and now - stall[1] >= STALL_DUMP_S:
                 # A rank's watch (train.stall_exit_s) stopped it: the launch cannot go on
                 # (ZeRO-3 without a rank), and its launcher would wait 30 s for a frozen
-                # rank's SIGTERM before its SIGKILL.
+                # rank's SIGTERM before its SIGKILL. Killed once every rank's stacks had
+                # STALL_DUMP_S to be written.
                 _wait(proc, 0.0)
                 rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
@@ -421,33 +425,32 @@ class LocalRun:
             delay = self._backoff(n)
             self._restart_at[name] = now + delay
             what = "island diverged" if rc == Diverged.exit_code else "island died"
-            stalled = _stall_line(self.island_dir(name) / "log.txt", self._log_at.get(name, 0))
             why = {}
-            if stalled:  # a rank's own watch (train.stall_exit_s) stopped it
+            if stall:  # a rank's own watch (train.stall_exit_s) stopped it
                 why["why"] = (f"stalled: a rank's training loop did not come round for "
-                              f"train.stall_exit_s ({stalled}); the ranks' stacks are in its log")  # fmt: skip
+                              f"train.stall_exit_s ({stall[0]}); the ranks' stacks are in its log")  # fmt: skip
             self.event(what, island=name, exit=rc, restart_in_s=delay, **why)
         self._supervise_coordinator(now)
 
-    def _stalled(self, name: str, now: float) -> bool:
-        """Whether a rank of island ``name``'s launch wrote that its watch stopped it (see
-        ``_stall_line``) at least ``STALL_DUMP_S`` ago, time for every rank's stacks to be
-        written. Asked every supervision round: only the log's new bytes are read."""
+    def _look_for_stall(self, name: str, now: float) -> tuple[str, float] | None:
+        """(how long, when first seen) if a rank of island ``name``'s launch wrote that its
+        watch stopped it (``_stall_line``), else None. Asked every supervision round of a
+        launch that has not exited cleanly: only the log's new bytes are read."""
         if name not in self._stall_seen:
             log = self.island_dir(name) / "log.txt"
             try:
                 size = log.stat().st_size
             except FileNotFoundError:
-                return False
+                return None
             read = self._log_read.get(name, 0)
             if size <= read:
-                return False
+                return None
             # From a little before: the line may have been cut between two reads.
-            if _stall_line(log, max(self._log_at.get(name, 0), read - 64)) is not None:
-                self._stall_seen[name] = now
+            found = _stall_line(log, max(self._log_at.get(name, 0), read - 64))
+            if found is not None:
+                self._stall_seen[name] = (found, now)
             self._log_read[name] = size
-        seen = self._stall_seen.get(name)
-        return seen is not None and now - seen >= STALL_DUMP_S
+        return self._stall_seen.get(name)
 
     def _backoff(self, restarts: int) -> float:
         """The wait before restarting a process restarted ``restarts`` times already."""
@@ -784,16 +787,24 @@ def _error_line(log: Path) -> str | None:
     return next((ln[len(prefix) :] for ln in reversed(lines) if ln.startswith(prefix)), None)
 
 
+def _read_end(path: Path, since: int, tail_bytes: int) -> str | None:
+    """A growing file's text from ``since``, at most its last ``tail_bytes``; None if the
+    file is not there."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(since, size - tail_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+
+
 def _stall_line(log: Path, since: int, tail_bytes: int = 1 << 20) -> str | None:
     """How long a rank of the launch whose lines begin at ``since`` went without a step
     before its watch stopped it (faulthandler's ``Timeout (0:10:00)!``, ``StallExit``), or
     None if none did."""
-    try:
-        with log.open("rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(since, size - tail_bytes))
-            text = f.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
+    text = _read_end(log, since, tail_bytes)
+    if text is None:
         return None
     found = re.search(r"Timeout \((\d+:\d\d:\d\d(?:\.\d+)?)\)!", text)  # ranks' lines may mix
     return found.group(1) if found else None
@@ -802,14 +813,10 @@ def _stall_line(log: Path, since: int, tail_bytes: int = 1 << 20) -> str | None:
 def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
     """The last whole record of a progress file, reading only its end: the file grows
     by a record every few steps for the whole run, and this is read every few seconds."""
-    try:
-        with path.open("rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - tail_bytes))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
+    text = _read_end(path, 0, tail_bytes)
+    if text is None:
         return None
-    for line in reversed(lines):  # a crash can cut the last line short
+    for line in reversed(text.splitlines()):  # a crash can cut the last line short
         record = _json_or_none(line)
         if isinstance(record, dict):
             return record
