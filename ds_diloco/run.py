@@ -848,10 +848,10 @@ def _refuse_foreign_state(cfg: RunConfig) -> None:
 
 def resume_point(cfg: RunConfig) -> dict:
     """What ``--resume`` continues from, per island: ``{"done": True}`` (finished: not
-    started again) or ``{"step": N}`` (its last checkpoint; 0: none, its inner loop starts
-    over from the current global model). Raises ValueError when there is nothing to resume."""
+    started again) or ``{"step": N}`` (its last checkpoint, whatever number of ranks wrote
+    it; 0: none, its inner loop starts over from the current global model). Raises
+    ValueError when there is nothing to resume."""
     from ds_diloco.state_store import StateStore
-    from ds_diloco.zero import checkpoint_world_size
 
     state_dir = Path(cfg.coordinator.state_dir)
     if not StateStore(state_dir).exists():
@@ -869,10 +869,7 @@ def resume_point(cfg: RunConfig) -> dict:
             continue
         latest = d / "checkpoints" / "latest"
         tag = latest.read_text().strip() if latest.is_file() else ""
-        step = int(tag[4:]) if tag.startswith("step") else 0
-        if step and checkpoint_world_size(d / "checkpoints" / tag) not in (None, spec.world_size):
-            step = 0  # resized: the island starts from the global model (zero.load_checkpoint)
-        out[spec.name] = {"step": step}
+        out[spec.name] = {"step": int(tag[4:]) if tag.startswith("step") else 0}
     return out
 
 

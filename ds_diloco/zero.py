@@ -26,7 +26,9 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +43,9 @@ from ds_diloco.state_store import atomic_write
 
 LATEST = "latest"
 """The file in a checkpoint folder naming its newest complete checkpoint (DeepSpeed's name)."""
+UNIVERSAL = "universal"
+"""The subfolder of a checkpoint folder holding its latest checkpoint converted to DeepSpeed's
+universal format, for an island resumed with another number of ranks."""
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +295,7 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
         )
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(directory / UNIVERSAL, ignore_errors=True)  # older than this one now
     torch.distributed.barrier()
 
 
@@ -308,8 +314,9 @@ def checkpoint_world_size(folder: Path) -> int | None:
 
 def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens,
-    micro-batches read); (0, 0, 0) if none. Checkpoints from before gradient accumulation
-    read one micro-batch per step."""
+    micro-batches read by each rank); (0, 0, 0) if none. Checkpoints from before gradient
+    accumulation read one micro-batch per step. One written by another number of ranks is
+    loaded through DeepSpeed's universal format (:func:`_load_resized`)."""
     pointer = directory / LATEST
     if not pointer.exists():
         return 0, 0, 0
@@ -319,22 +326,90 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
             f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
             "start the island afresh, or point the file at a complete step* folder"
         )
-    # DeepSpeed refuses a ZeRO checkpoint written by another number of ranks, and would on
-    # every restart: an island resized between runs starts as one without a checkpoint.
     written_by = checkpoint_world_size(directory / tag)
     if written_by is not None and written_by != engine.dp_world_size:
-        if torch.distributed.get_rank() == 0:
-            log.warning(
-                "checkpoint %s was written with world size %d, this island has world size %d: "
-                "starting from the global model; its AdamW state is not carried over",
-                directory / tag, written_by, engine.dp_world_size,
-            )  # fmt: skip
-        return 0, 0, 0
+        return _load_resized(engine, directory, tag, written_by)
     path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
         raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
+    return _resume_point(client_state)
+
+
+def _resume_point(client_state: dict, read_by: int = 1, now: int = 1) -> tuple[int, int, int]:
+    """(step, tokens, micro-batches each rank skips): the ``read_by`` ranks' micro-batches,
+    each, are read by ``now`` ranks."""
     step = int(client_state["step"])
-    return step, int(client_state["tokens"]), int(client_state.get("batches", step))
+    batches = int(client_state.get("batches", step)) * read_by // now
+    return step, int(client_state["tokens"]), batches
+
+
+def _load_resized(engine, directory: Path, tag: str, written_by: int) -> tuple[int, int, int]:
+    """An island resized between launches (a node lost, or added back) resumes its AdamW
+    state, schedule and place in its data like any restart. DeepSpeed refuses a ZeRO
+    checkpoint written by another number of ranks; rank 0 converts it to the universal
+    format (one file per tensor and state, whole) once, and every rank loads its new
+    partitions from that. The island's ranks read ``batches`` micro-batches each; the
+    new ranks skip as many in all, split between them (which blocks each new rank has
+    seen is not known: each one's share of the shard is another). Where the conversion
+    fails or a rank cannot see its output, the island starts from the global model as
+    one without a checkpoint, and says why."""
+    world = engine.dp_world_size
+    rank = torch.distributed.get_rank()
+    converted = directory / UNIVERSAL / tag
+    problem = _convert_to_universal(directory / tag, converted) if rank == 0 else None
+    problem = _all_gather_object(problem)[0]  # every rank waits for the conversion here
+    if problem is None:
+        there = _all_gather_object(converted.is_dir())
+        problem = next(
+            (f"rank {r} does not see {converted} (checkpoints must be on a filesystem every "
+             "rank of the island sees)" for r, seen in enumerate(there) if not seen),
+            None,
+        )  # fmt: skip
+    if problem is not None:
+        if rank == 0:
+            log.warning(
+                "checkpoint %s was written with world size %d, this island has world size %d, "
+                "and %s: starting from the global model; its AdamW state is not carried over",
+                directory / tag, written_by, world, problem,
+            )  # fmt: skip
+        return 0, 0, 0
+    engine._config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading
+    try:
+        path, client_state = engine.load_checkpoint(str(directory / UNIVERSAL), tag=tag)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if path is None:
+        raise RuntimeError(f"could not load the universal checkpoint {converted}")
+    if rank == 0:
+        log.info(
+            "checkpoint %s was written with world size %d, this island has world size %d: "
+            "loaded from its universal form %s (AdamW state, schedule and data position "
+            "carried over)", directory / tag, written_by, world, converted,
+        )  # fmt: skip
+    return _resume_point(client_state, written_by, world)
+
+
+def _convert_to_universal(source: Path, target: Path) -> str | None:
+    """DeepSpeed's ``ds_to_universal`` of the checkpoint folder ``source`` into ``target``,
+    in a process of its own (it runs worker pools); ``target`` is complete or absent. None,
+    or what went wrong. A folder an earlier launch converted is used as it is."""
+    if target.is_dir():
+        return None
+    tmp = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", str(source), "--output_folder", str(tmp)]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        return f"its conversion to DeepSpeed's universal format failed (exit {done.returncode}: {last})"
+    os.replace(tmp, target)
+    log.info(
+        "converted checkpoint %s to universal format in %.1f s", source, time.perf_counter() - t0
+    )
+    return None
 
 
 AGREEMENT_ENV = "DS_DILOCO_GLOO_AGREEMENT"

@@ -298,7 +298,62 @@ def scenario_finite(spec, rank, world):
     return {"finite": out}
 
 
+def _resize_engine(spec):
+    """The engine both launches of the resize scenarios build: frozen layers, a schedule."""
+    ds = json.loads(Path(spec["deepspeed_config"]).read_text())
+    ds.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1,
+              train_batch_size=MICRO_BATCH * torch.distributed.get_world_size())  # fmt: skip
+    return zero.build_engine(ModelSource(config=spec["model_config"], seed=0), ds, spec["lr"],
+                             spec["weight_decay"], lambda step: (step + 1) / 10,
+                             freeze=tuple(spec["freeze"]))  # fmt: skip
+
+
+def _inner_state(engine) -> dict:
+    """Whole fp32 values and AdamW moments of every trained tensor (gathered), the step
+    AdamW counted and the learning rate now."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    whole = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            whole[name] = [safe_get_full_fp32_param(p).clone()] + [
+                safe_get_full_optimizer_state(p, key).clone() for key in ("exp_avg", "exp_avg_sq")
+            ]
+    flat = engine.optimizer.fp32_partitioned_groups_flat[0]
+    step = float(engine.optimizer.optimizer.state[flat]["step"])
+    return {
+        "whole": whole,
+        "adam_step": step,
+        "lr": engine.optimizer.optimizer.param_groups[0]["lr"],
+    }
+
+
+def scenario_resize_save(spec, rank, world):
+    """Three inner steps on this island's ranks, then a checkpoint (a collective)."""
+    engine = _resize_engine(spec)
+    for step in range(3):
+        train_step(engine, *batch(100 * rank + step, spec["vocab"]))
+    zero.save_checkpoint(engine, Path(spec["resize_dir"]), 3,
+                         {"step": 3, "tokens": 3 * world * MICRO_BATCH * SEQ, "batches": 3})  # fmt: skip
+    return _inner_state(engine)
+
+
+def scenario_resize_load(spec, rank, world):
+    """The same island relaunched with another number of ranks: its checkpoint loaded, and
+    one step on (which checkpoints again)."""
+    engine = _resize_engine(spec)
+    resumed = zero.load_checkpoint(engine, Path(spec["resize_dir"]))
+    state = _inner_state(engine)
+    train_step(engine, *batch(7, spec["vocab"]))
+    zero.save_checkpoint(
+        engine, Path(spec["resize_dir"]), 4, {"step": 4, "tokens": 0, "batches": 4}
+    )
+    return {**state, "resumed": resumed, "after": sorted(os.listdir(spec["resize_dir"]))}
+
+
 SCENARIOS = {
+    "resize_save": scenario_resize_save,
+    "resize_load": scenario_resize_load,
     "checkpoint_under_learner": scenario_checkpoint_under_learner,
     "finite": scenario_finite,
     "minmax": scenario_minmax,

@@ -160,25 +160,27 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(
 
 
 @pytest.mark.timeout(300)
-def test_resumed_island_with_another_world_size_starts_from_the_global_model(
+def test_an_island_resumed_with_more_ranks_goes_on_from_its_checkpoint(
     tmp_path, tiny_config_path, kill_leftovers
 ):
-    # One island of 2 ranks checkpoints at steps 5 and 6 (its last) and finishes; resumed for
-    # more steps with 1 rank, DeepSpeed would refuse that checkpoint on every launch (the run
-    # ended, exit 1).
+    # One island of 1 rank checkpoints at steps 5 and 6 (its last) and finishes; resumed for
+    # more steps on 2 ranks, it goes on from step 6 through DeepSpeed's universal format.
+    # Before, DeepSpeed refused the checkpoint and the island started over from step 0 (the
+    # exact AdamW state across a resize: tests/test_zero.py).
     run_file = write_run_file(tmp_path, "run", {"config": tiny_config_path, "seed": 0}, 6,
                               checkpoint_every=5)  # fmt: skip
     workdir = tmp_path / "run"
     run = json.loads(run_file.read_text())
-    run["islands"] = [{"name": "a", "world_size": 2}]
+    run["islands"] = [{"name": "a", "world_size": 1}]
     run_file.write_text(json.dumps(run))
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
-    assert (workdir / "islands" / "a" / "checkpoints" / "latest").read_text() == "step6"
+    checkpoints = workdir / "islands" / "a" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step6"
 
-    run["islands"] = [{"name": "a", "world_size": 1}]
+    run["islands"] = [{"name": "a", "world_size": 2}]
     run["train"]["steps"] = 8  # not done yet: --resume starts it again
-    run["max_restarts"] = 0  # unfixed, the first failed launch ends the run
+    run["max_restarts"] = 0  # the first failed launch ends the run
     run_file.write_text(json.dumps(run))
     resumed = ds_diloco_run(run_file, "--resume")
     leftovers = kill_leftovers(workdir)
@@ -186,15 +188,20 @@ def test_resumed_island_with_another_world_size_starts_from_the_global_model(
     assert leftovers.strip() == "", leftovers
     log = (workdir / "islands" / "a" / "log.txt").read_text()
     assert (
-        "written with world size 2, this island has world size 1: starting from the "
-        "global model; its AdamW state is not carried over" in log
+        "was written with world size 1, this island has world size 2: loaded from its "
+        "universal form" in log
     ), log[-3000:]
     lines = (workdir / "islands" / "a" / "progress.jsonl").read_text().splitlines()
     starts = [r for line in lines if "started_at" in (r := json.loads(line))]
-    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (0, False)], starts
+    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True)], starts
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["islands"]["a"]["steps"] == 8
-    assert summary["resumed_from"] == {"a": {"step": 0}}  # it said "from step 5"
+    assert summary["resumed_from"] == {"a": {"step": 6}}
+    island = summary["islands"]["a"]
+    assert island["start_step"] == 6 and island["steps"] == 8
+    assert island["tokens"] == (6 + 2 * 2) * TOKENS_PER_STEP  # steps 7 and 8 on two ranks
+    # The island's next checkpoint (step 8, two ranks) made the converted one stale.
+    assert (checkpoints / "latest").read_text() == "step8"
+    assert not (checkpoints / "universal").exists()
 
 
 @pytest.mark.timeout(300)

@@ -86,15 +86,15 @@ def logs(out: Path, tail: int = 6000) -> str:
     return "\n".join(parts)
 
 
-def launch(spec: dict, out: Path) -> str | None:
-    """Run both ranks to the end; None, or what went wrong with the workers' logs."""
+def launch(spec: dict, out: Path, world: int = WORLD) -> str | None:
+    """Run every rank to the end; None, or what went wrong with the workers' logs."""
     (out / "spec.json").write_text(json.dumps(spec))
     port = free_port()
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = {
             **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }  # fmt: skip
         with open(out / f"rank{rank}.stdout", "w") as o, open(out / f"rank{rank}.stderr", "w") as e:
@@ -145,6 +145,7 @@ def island(tmp_path_factory):
                 "no_token",
                 "checkpoint_under_learner",
                 "finite",
+                "resize_save",
             ],
             "pretrained": str(pretrained),
             "model_config": str(model_config),
@@ -162,6 +163,7 @@ def island(tmp_path_factory):
             "ckpt_url": srv_ckpt.url,
             "ckpt_run": srv_ckpt.coord.run_id,
             "steps": 2,
+            "resize_dir": str(out / "resize"),
         }
         global0 = srv.coord.global_tensors()
         problem = launch(spec, out)
@@ -418,3 +420,45 @@ def test_a_checkpoint_loaded_under_the_learner_is_refused_on_every_rank(island):
         assert back is not None and "global_steps went from 3 to 2" in back, errors
         assert late is not None and "global_steps went from 0 to 2" in late, errors
         assert "Load it first" in late, errors
+
+
+def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island):
+    # Two ranks (frozen layers, a schedule, odd-sized tensors whose last partition is
+    # padded) take three steps and checkpoint; the island relaunched on one rank loads that
+    # checkpoint through DeepSpeed's universal format. Before, it started from step 0 with
+    # fresh AdamW state.
+    saved = island.result("resize_save", 0)
+    out = island.out / "resized"
+    out.mkdir()
+    problem = launch({**island.spec, "scenarios": ["resize_load"]}, out, world=1)
+    assert problem is None, problem
+    loaded = torch.load(out / "resize_load-rank0.pt")
+    assert loaded["resumed"] == (3, 3 * 2 * 2 * 16, 6)  # step, tokens, the 2 x 3 micro-batches
+    assert loaded["adam_step"] == saved["adam_step"] == 3.0
+    assert loaded["lr"] == saved["lr"] == pytest.approx(LR * 0.4)  # (3 + 1) / 10
+    assert saved["whole"].keys() == loaded["whole"].keys()
+    assert not any(re.search(p, n) for p in FREEZE for n in saved["whole"])  # trained ones only
+    for name, (values, m, v) in saved["whole"].items():
+        assert v.abs().sum() > 0, name  # the moments are not just fresh zeros
+        for what, a, b in zip(
+            ("fp32", "exp_avg", "exp_avg_sq"), (values, m, v), loaded["whole"][name]
+        ):
+            assert torch.equal(a, b), (name, what, max_diff(a, b))
+    # Its next checkpoint makes the converted one stale: removed.
+    assert {"latest", "step3", "step4"} <= set(loaded["after"]), loaded["after"]
+    assert "universal" not in loaded["after"], loaded["after"]
+
+
+def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(tmp_path):
+    # A resized island whose checkpoint DeepSpeed cannot convert starts from the global
+    # model (zero._load_resized) and names the cause; nothing half-written is left to be
+    # taken for a converted checkpoint by the next launch.
+    source = tmp_path / "step3"
+    source.mkdir()
+    (source / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    target = tmp_path / zero.UNIVERSAL / "step3"
+    problem = zero._convert_to_universal(source, target)
+    assert problem is not None and problem.startswith(
+        "its conversion to DeepSpeed's universal format failed (exit 1: "
+    ), problem
+    assert not target.exists() and list(target.parent.glob(".*")) == []
