@@ -566,6 +566,14 @@ class RunConfig:
     coordinator do not count."""
     restart_backoff_s: float = 1.0
     """Wait before the first restart; doubles per restart of the same process, up to 30 s."""
+    downscale_after: int = 2
+    """An island on this host whose rank of the same slot (a GPU; on CPU a process place)
+    is the first to die in this many launches in a row is restarted without that slot,
+    with one rank fewer, and goes on from its checkpoint (converted for the new number of
+    ranks); its last slot is never left out. 0: never (restarted on every slot)."""
+    slot_quarantine_s: float = 1800.0
+    """A slot left out (``downscale_after``) comes back at the island's first launch after
+    this long (its repair time)."""
     coordinator_hang_s: float = 60.0
     """A coordinator that answered its health check and then stops answering it for this
     long is hung (a deadlock, a stuck disk: its process lives, so it never exits): it is
@@ -592,6 +600,11 @@ class RunConfig:
             raise ValueError(
                 "max_restarts and restart_backoff_s must be >= 0 (and finite), got "
                 f"{self.max_restarts} and {self.restart_backoff_s}"
+            )
+        if self.downscale_after < 0 or not _finite(self.slot_quarantine_s):
+            raise ValueError(
+                "downscale_after and slot_quarantine_s must be >= 0 (and finite), got "
+                f"{self.downscale_after} and {self.slot_quarantine_s}"
             )
         if not _finite(self.coordinator_hang_s):
             raise ValueError(

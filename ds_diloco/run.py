@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -46,6 +47,8 @@ from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.global_eval import HELDOUT_BLOCKS
 from ds_diloco.live_model import PeriodicEval, PeriodicExport
+from ds_diloco.rank_watch import RankWatch, local_rank
+from ds_diloco.slot_policy import SlotState, after_death, launch_slots
 from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
 
@@ -155,15 +158,16 @@ def plain_dict(obj) -> dict:
     return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
 
 
-def launcher_cmd(spec, port: int) -> list[str]:
+def launcher_cmd(spec, port: int, slots: Sequence[int] | None = None) -> list[str]:
     """The deepspeed launcher command line for one island, up to the script.
 
     A local island goes straight to ``deepspeed.launcher.launch`` (the per-node launcher the
     ``deepspeed`` runner would exec for it) with the same world info the runner would
     build: the runner's own start-up (a second deepspeed import, ~3 s of CPU) buys nothing
     on one host. An ``include`` naming other hosts keeps the runner and its ssh/pdsh path.
+    ``slots``: a local island's slots for this launch (default: all of them).
     """
-    slots = local_slots(spec)
+    slots = list(slots) if slots is not None else local_slots(spec)
     if slots is None:
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port),
                 "--include", spec.include]  # fmt: skip
@@ -237,6 +241,11 @@ class LocalRun:
         self._answered_at: float | None = None
         self._health_at = 0.0
         self._health: CoordinatorClient | None = None
+        # Downscaling around a failed slot (slot_policy): per local island, its slots'
+        # record and the slots of its current launch; which rank died first (rank_watch).
+        self.slot_states: dict[str, SlotState] = {}
+        self._launched_slots: dict[str, tuple[int, ...]] = {}
+        self.rank_watch = RankWatch()
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
         self._t0 = time.monotonic()
@@ -341,7 +350,8 @@ class LocalRun:
         )  # fmt: skip
         (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
         port = spec.master_port or free_port()
-        cmd = [*launcher_cmd(spec, port), "--module", "ds_diloco.cli", "island"]
+        slots = self._slots_for_launch(spec)
+        cmd = [*launcher_cmd(spec, port, slots), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
         with stop_deferred(), (d / "log.txt").open("a") as log:  # restarts append to the same log
             self._log_at[spec.name] = self._log_read[spec.name] = log.tell()  # this launch's
@@ -351,7 +361,38 @@ class LocalRun:
             )
             self.islands[spec.name] = proc
             self._island_args[spec.name] = (spec, shard, num_shards, plain)
+        if slots is not None:
+            self._launched_slots[spec.name] = slots
+            self.rank_watch.watch(spec.name, proc.pid, len(slots))
         return proc
+
+    def _slots_for_launch(self, spec) -> tuple[int, ...] | None:
+        """A local island's slots for its next launch (None: on other hosts, all of them)."""
+        every = local_slots(spec)
+        if every is None:
+            return None
+        state = self.slot_states.setdefault(spec.name, SlotState(tuple(every)))
+        state, slots, back = launch_slots(state, time.monotonic())
+        self.slot_states[spec.name] = state
+        if back:
+            self.event("island upscaled", island=spec.name, slots_back=list(back),
+                       slots=list(slots), why="slot_quarantine_s is over")  # fmt: skip
+        return slots
+
+    def _blame_slot(self, name: str) -> None:
+        """After a launch died: leave out the slot whose rank keeps dying first."""
+        launched = self._launched_slots.get(name)
+        if launched is None:
+            return
+        state, out, why = after_death(
+            self.slot_states[name], launched, self.rank_watch.first_dead(name),
+            self.cfg.downscale_after, self.cfg.slot_quarantine_s, time.monotonic(),
+        )  # fmt: skip
+        self.slot_states[name] = state
+        if out is not None:
+            left = [s for s in launched if s != out]
+            self.event("island downscaled", island=name, slot_out=out, slots=left, why=why,
+                       back_in_s=self.cfg.slot_quarantine_s)  # fmt: skip
 
     def island_dir(self, name: str) -> Path:
         return self.workdir / "islands" / name
@@ -367,12 +408,11 @@ class LocalRun:
             return out
         for p in procs:
             try:
-                cmd = p.cmdline()
+                rank = local_rank(p.cmdline())
             except psutil.NoSuchProcess:
                 continue
-            for arg in cmd:
-                if arg.startswith("--local_rank="):
-                    out[int(arg.split("=", 1)[1])] = p.pid
+            if rank is not None:
+                out[rank] = p.pid
         return out
 
     # ----------------------------------------------------------- supervision
@@ -429,7 +469,14 @@ class LocalRun:
             if stall:  # a rank's own watch (train.stall_exit_s) stopped it
                 why["why"] = (f"stalled: a rank's training loop did not come round for "
                               f"train.stall_exit_s ({stall[0]}); the ranks' stacks are in its log")  # fmt: skip
+            first = self.rank_watch.first_dead(name)
+            if first is not None:  # while the others ran: the launcher stopped those
+                why["first_to_die"] = f"rank {first}"
             self.event(what, island=name, exit=rc, restart_in_s=delay, **why)
+            # Neither a diverged model nor a stall is a dead slot's doing (in a stall the
+            # ranks that exit first are the ones left waiting for a frozen peer).
+            if rc != Diverged.exit_code and not stall:
+                self._blame_slot(name)
         self._supervise_coordinator(now)
 
     def _look_for_stall(self, name: str, now: float) -> tuple[str, float] | None:
@@ -545,6 +592,7 @@ class LocalRun:
             if self.coordinator is not None:
                 _signal_group(self.coordinator, signal.SIGTERM)
                 _wait(self.coordinator, 60)
+            self.rank_watch.close()
 
     # ------------------------------------------------------------- progress
     def island_records(self) -> dict[str, dict]:

@@ -398,6 +398,8 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"data.seed": -1}, r"data.seed must be >= 0, got -1"),
         ({"restart_backoff_s": NAN}, r"restart_backoff_s must be >= 0 \(and finite\), got 5 and nan"),
         ({"coordinator_hang_s": -1}, r"coordinator_hang_s must be >= 0 \(0: never\) and finite, got -1"),
+        ({"downscale_after": -1}, r"downscale_after and slot_quarantine_s must be >= 0 \(and finite\), got -1 and 1800.0"),
+        ({"slot_quarantine_s": INF}, r"downscale_after and slot_quarantine_s must be >= 0 \(and finite\), got 2 and inf"),
         ({"coordinator_hang_s": NAN}, r"coordinator_hang_s must be >= 0 \(0: never\) and finite, got nan"),
         ({"coordinator.max_body_mb": NAN}, r"^coordinator: max_body_mb must be > 0 and finite, got nan"),
         ({"coordinator.max_body_mb": INF}, r"coordinator: max_body_mb must be > 0 and finite, got inf"),

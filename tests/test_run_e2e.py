@@ -296,6 +296,7 @@ def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint
     assert [(e["event"], e["island"]) for e in lr.events] == [
         ("island died", "two"), ("island restarted", "two")], lr.events  # fmt: skip
     assert lr.events[0]["exit"] != 0 and lr.restarts == {"two": 1}
+    assert lr.events[0]["first_to_die"] == "rank 1"  # downscale_after 2: still on both slots
     assert lr.islands["two"].returncode == 0
     starts = [r for line in (island / "progress.jsonl").read_text().splitlines()
               if "started_at" in (r := json.loads(line))]  # fmt: skip
@@ -309,6 +310,82 @@ def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint
     # The second launch registered again, and its uploads were merged.
     assert after["registrations"] == before["registrations"] + 1, (before, after)
     assert after["merged"] > before["merged"], (before, after)
+
+
+STEPS_RESIZE = 32
+QUARANTINE_S = 6.0  # over a 0.5 s backoff; under the time the smaller launch trains
+
+
+def test_an_island_goes_on_without_a_slot_that_keeps_failing_and_takes_it_back_repaired(
+    tmp_path, tiny_config_path
+):
+    # downscale_after 1: the slot whose rank dies first is left out at once. Rank 1 of a
+    # two-rank island is SIGKILLed: the island goes on with rank 0's slot alone from its
+    # checkpoint (written by 2 ranks, loaded by 1). Then that launch's only rank is killed:
+    # the last slot stays, and the next launch, the quarantine over, has both slots again
+    # (written by 1, loaded by 2). Before, the island was restarted on every slot.
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
+                          steps=STEPS_RESIZE)  # fmt: skip
+    run = json.loads(path.read_text())
+    run["train"].update(checkpoint_every=4, step_delay_s=0.1)
+    path.write_text(json.dumps({**run, "max_restarts": 2, "restart_backoff_s": 0.5,
+                                "downscale_after": 1, "slot_quarantine_s": QUARANTINE_S}))  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    island = lr.workdir / "islands" / "two"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    def supervised(cond, what, timeout=300):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, (what, lr.events, lr.island_records())
+            lr.supervise()
+            time.sleep(0.1)
+
+    def step() -> int:
+        return lr.island_records().get("two", {}).get("step", 0)
+
+    try:
+        lr.start_coordinator()
+        lr.start_islands()
+        supervised(lambda: (island / "checkpoints" / "latest").exists() and step() >= 6,
+                   "the first checkpoint")  # fmt: skip
+        first = lr.rank_pids("two")
+        assert sorted(first) == [0, 1], first
+        time.sleep(0.3)  # the rank watch has found both ranks
+        os.kill(first[1], signal.SIGKILL)
+        killed_at = step()
+        supervised(lambda: len(lr.events) >= 3, "the restart")
+        supervised(lambda: step() >= killed_at + 6 and len(lr.rank_pids("two")) == 1,
+                   "the smaller launch past a checkpoint")  # fmt: skip
+        alone = lr.rank_pids("two")
+        assert list(alone) == [0], alone
+        time.sleep(0.3)
+        os.kill(alone[0], signal.SIGKILL)
+        supervised(lr.finished, "the end of the run")
+    finally:
+        lr.stop()
+    events = [(e["event"], e.get("slot_out"), e.get("slots")) for e in lr.events]
+    assert events == [
+        ("island died", None, None), ("island downscaled", 1, [0]), ("island restarted", None, None),
+        ("island died", None, None), ("island upscaled", None, [0, 1]),
+        ("island restarted", None, None),
+    ], lr.events  # fmt: skip
+    assert lr.events[1]["why"] == "rank 1 (slot 1) was the first to die in 1 launch in a row"
+    assert [lr.events[i]["first_to_die"] for i in (0, 3)] == ["rank 1", "rank 0"]
+    assert lr.events[4]["slots_back"] == [1]
+    assert lr.islands["two"].returncode == 0 and lr.restarts == {"two": 2}
+    log = (island / "log.txt").read_text()
+    for written, now in ((2, 1), (1, 2)):
+        line = (f"was written with world size {written}, this island has world size {now}: "
+                "loaded from its universal form")  # fmt: skip
+        assert log.count(line) == 1, (line, log[-4000:])
+    starts = [r for line in (island / "progress.jsonl").read_text().splitlines()
+              if "started_at" in (r := json.loads(line))]  # fmt: skip
+    assert [r["resumed"] for r in starts] == [False, True, True], starts
+    assert 0 < starts[1]["step"] < starts[2]["step"], starts
+    for rank in (0, 1):  # the last launch had both ranks again, and finished
+        s = json.loads((island / f"summary-rank{rank}.json").read_text())
+        assert s["steps"] == STEPS_RESIZE and s["start_step"] == starts[2]["step"], s
 
 
 STALL_S = 8.0  # train.stall_exit_s: a few steps of 0.2-0.5 s, far over one

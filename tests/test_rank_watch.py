@@ -1,0 +1,79 @@
+"""Which rank of a launch died first, under the real deepspeed launcher (ds_diloco.rank_watch)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from ds_diloco import rank_watch
+from ds_diloco.config import IslandSpec
+from ds_diloco.rank_watch import RankWatch, local_rank
+from ds_diloco.run import free_port, launcher_cmd
+
+SLEEPER = "import time\nwhile True: time.sleep(1)\n"
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Start the deepspeed launcher over ranks that only sleep; yields (launcher, its ranks)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    started = []
+
+    def start(world: int):
+        cmd = [*launcher_cmd(IslandSpec(name="a", world_size=world), free_port()), str(script)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+        started.append(proc)
+        deadline = time.monotonic() + 60
+        while True:
+            ranks = {local_rank(p.cmdline()): p for p in psutil.Process(proc.pid).children()}
+            if len(ranks) == world:
+                return proc, ranks
+            assert time.monotonic() < deadline, "the launcher did not start its ranks"
+            time.sleep(0.05)
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone with its launcher
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_rank_that_dies_first_is_named_not_those_the_launcher_stops(launch):
+    watch = RankWatch()
+    try:
+        launcher, ranks = launch(3)
+        watch.watch("a", launcher.pid, 3)
+        time.sleep(0.3)  # the watch has found the ranks
+        assert watch.first_dead("a") is None
+        ranks[1].kill()
+        assert launcher.wait(timeout=30) != 0  # it stopped ranks 0 and 2 itself
+        assert not any(p.is_running() for p in ranks.values())
+        assert watch.first_dead("a") == 1
+    finally:
+        watch.close()
+
+
+def test_without_pidfds_ranks_seen_gone_together_blame_none(launch, monkeypatch):
+    # Where pidfd_open is missing (before Linux 5.3) the watch looks at each rank's status
+    # every period: two ranks gone by the same look are not told apart, and none is blamed.
+    monkeypatch.setattr(rank_watch, "_pidfd", lambda pid: None)
+    watch = RankWatch(period_s=0.5)
+    try:
+        launcher, ranks = launch(2)
+        watch.watch("a", launcher.pid, 2)
+        time.sleep(1.2)  # it found the ranks, and looks again every 0.5 s
+        for p in ranks.values():
+            p.kill()
+        launcher.wait(timeout=30)
+        time.sleep(1.0)
+        assert watch.first_dead("a") is None
+    finally:
+        watch.close()
