@@ -43,8 +43,7 @@ class RankWatch:
         self._retired: list[_Launch] = []  # launches whose pidfds the loop is to close
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rank-watch", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # runs while a launch is watched
 
     def watch(self, name: str, launcher_pid: int, world: int) -> None:
         with self._lock:
@@ -53,6 +52,9 @@ class RankWatch:
                 old.first_dead = UNKNOWN  # superseded: the loop closes its pidfds
                 self._retired.append(old)
             self._launches[name] = _Launch(launcher_pid, world)
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._loop, name="rank-watch", daemon=True)
+                self._thread.start()
 
     def first_dead(self, name: str) -> int | None:
         """The local rank that died while the others of the launch ran; None: not seen."""
@@ -64,7 +66,10 @@ class RankWatch:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
         with self._lock:
             for launch in [*self._launches.values(), *self._retired]:
                 launch.close()
@@ -78,6 +83,9 @@ class RankWatch:
                     launch.close()
                 self._retired.clear()
                 open_ = [x for x in self._launches.values() if x.first_dead is None]
+                if not open_:  # every launch decided: no thread left behind (watch starts one)
+                    self._thread = None
+                    return
                 for launch in open_:
                     if len(launch.ranks) < launch.world:
                         _find_ranks(launch)

@@ -57,6 +57,11 @@ def test_the_rank_that_dies_first_is_named_not_those_the_launcher_stops(launch):
         assert launcher.wait(timeout=30) != 0  # it stopped ranks 0 and 2 itself
         assert not any(p.is_running() for p in ranks.values())
         assert watch.first_dead("a") == 1
+        # Nothing left to watch: its thread has ended (a run keeps none per finished launch).
+        deadline = time.monotonic() + 5
+        while watch._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch._thread is None
     finally:
         watch.close()
 
