@@ -572,8 +572,9 @@ class RunConfig:
     with one rank fewer, and goes on from its checkpoint (converted for the new number of
     ranks); its last slot is never left out. 0: never (restarted on every slot)."""
     slot_quarantine_s: float = 1800.0
-    """A slot left out (``downscale_after``) comes back at the island's first launch after
-    this long (its repair time)."""
+    """A slot left out (``downscale_after``) comes back after this long (its repair time):
+    the smaller launch is stopped right after its next checkpoint and the island goes on
+    from it on every slot (at its next launch, if that comes first)."""
     coordinator_hang_s: float = 60.0
     """A coordinator that answered its health check and then stops answering it for this
     long is hung (a deadlock, a stuck disk: its process lives, so it never exits): it is

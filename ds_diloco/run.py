@@ -245,6 +245,7 @@ class LocalRun:
         # record and the slots of its current launch; which rank died first (rank_watch).
         self.slot_states: dict[str, SlotState] = {}
         self._launched_slots: dict[str, tuple[int, ...]] = {}
+        self._upscale_from: dict[str, str] = {}  # its checkpoint when a slot came back
         self.rank_watch = RankWatch()
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
@@ -374,10 +375,30 @@ class LocalRun:
         state = self.slot_states.setdefault(spec.name, SlotState(tuple(every)))
         state, slots, back = launch_slots(state, time.monotonic())
         self.slot_states[spec.name] = state
+        self._upscale_from.pop(spec.name, None)
         if back:
             self.event("island upscaled", island=spec.name, slots_back=list(back),
                        slots=list(slots), why="slot_quarantine_s is over")  # fmt: skip
         return slots
+
+    def _upscale_due(self, name: str, now: float) -> bool:
+        """A downscaled island whose left-out slot's quarantine is over, and that has written
+        a checkpoint since it was (the checkpoint named by ``latest`` changed)."""
+        launched, state = self._launched_slots.get(name), self.slot_states.get(name)
+        spec = self._island_args[name][0]
+        if launched is None or not self.cfg.train_of(spec).checkpoint_every:
+            return False
+        if len(launch_slots(state, now)[1]) <= len(launched):
+            self._upscale_from.pop(name, None)
+            return False
+        latest = self.island_dir(name) / "checkpoints" / "latest"
+        try:
+            tag = latest.read_text().strip()
+        except OSError:
+            tag = ""
+        if tag == f"step{self.cfg.train_of(spec).steps}":
+            return False  # its last step: it is flushing and leaving, not to be stopped
+        return self._upscale_from.setdefault(name, tag) != tag
 
     def _blame_slot(self, name: str) -> None:
         """After a launch died: leave out the slot whose rank keeps dying first."""
@@ -435,6 +456,13 @@ class LocalRun:
             rc = proc.poll()
             watched = rc != 0 and name not in self.given_up
             stall = self._look_for_stall(name, now) if watched else None
+            if rc is None and not stall and self._upscale_due(name, now):
+                # Its left-out slot is repaired and it has just checkpointed: stopped now, it
+                # loses only the steps since, and goes on with every slot (not a death).
+                _signal_group(proc, signal.SIGTERM)
+                _wait(proc, 30)
+                self.start_island(*self._island_args[name])
+                continue
             if rc is None and stall and now - stall[1] >= STALL_DUMP_S:
                 # A rank's watch (train.stall_exit_s) stopped it: the launch cannot go on
                 # (ZeRO-3 without a rank), and its launcher would wait 30 s for a frozen

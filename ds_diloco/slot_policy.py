@@ -7,8 +7,9 @@ is the likely cause (a GPU that fails again at start, or an ECC error): the isla
 restarted on the slots left, and goes on with fewer ranks from its checkpoint
 (``zero.load_checkpoint``, DeepSpeed's universal format) instead of failing on that slot
 until ``max_restarts`` gives the island up. A slot left out comes back at the island's
-first launch after ``quarantine_s`` (its repair time); the island's last slot is never
-left out. Pure functions: the supervisor (``run.LocalRun``) keeps the state.
+first launch after ``quarantine_s`` (its repair time; the supervisor stops a smaller
+launch after its next checkpoint for that); the island's last slot is never left out.
+Pure functions: the supervisor (``run.LocalRun``) keeps the state.
 """
 
 from __future__ import annotations
