@@ -389,7 +389,9 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
         o += s.world_size
     every = cfg.train.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
     spec = IslandSpec(name="data-parallel", world_size=total)
-    cfg = dataclasses.replace(_with_workdir(cfg, workdir, checkpoint_every=every), islands=(spec,))
+    # Restarted on every rank, as such a job is (leaving a slot out would make it elastic).
+    cfg = dataclasses.replace(_with_workdir(cfg, workdir, checkpoint_every=every), islands=(spec,),
+                              downscale_after=0)  # fmt: skip
     lr = LocalRun(cfg)
     t0 = time.monotonic()
     injector = None
