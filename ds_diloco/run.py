@@ -391,23 +391,20 @@ class LocalRun:
         if len(launch_slots(state, now)[1]) <= len(launched):
             self._upscale_from.pop(name, None)
             return False
-        latest = self.island_dir(name) / "checkpoints" / "latest"
-        try:
-            tag = latest.read_text().strip()
-        except OSError:
-            tag = ""
+        tag = _latest_checkpoint(self.island_dir(name))
         if tag == f"step{self.cfg.train_of(spec).steps}":
             return False  # its last step: it is flushing and leaving, not to be stopped
         return self._upscale_from.setdefault(name, tag) != tag
 
-    def _blame_slot(self, name: str) -> None:
-        """After a launch died: leave out the slot whose rank keeps dying first."""
+    def _blame_slot(self, name: str, first_dead: int | None) -> None:
+        """After a launch died (``first_dead``: its rank seen dying first): leave out the
+        slot whose rank keeps dying first."""
         launched = self._launched_slots.get(name)
         if launched is None:
             return
         state, out, why = after_death(
-            self.slot_states[name], launched, self.rank_watch.first_dead(name),
-            self.cfg.downscale_after, self.cfg.slot_quarantine_s, time.monotonic(),
+            self.slot_states[name], launched, first_dead, self.cfg.downscale_after,
+            self.cfg.slot_quarantine_s, time.monotonic(),
         )  # fmt: skip
         self.slot_states[name] = state
         if out is not None:
@@ -497,6 +494,8 @@ class LocalRun:
             if stall:  # a rank's own watch (train.stall_exit_s) stopped it
                 why["why"] = (f"stalled: a rank's training loop did not come round for "
                               f"train.stall_exit_s ({stall[0]}); the ranks' stacks are in its log")  # fmt: skip
+            # Read once: the event and the blame name the same rank (the watch's thread
+            # may decide between two reads).
             first = self.rank_watch.first_dead(name)
             if first is not None:  # while the others ran: the launcher stopped those
                 why["first_to_die"] = f"rank {first}"
@@ -504,7 +503,7 @@ class LocalRun:
             # Neither a diverged model nor a stall is a dead slot's doing (in a stall the
             # ranks that exit first are the ones left waiting for a frozen peer).
             if rc != Diverged.exit_code and not stall:
-                self._blame_slot(name)
+                self._blame_slot(name, first)
         self._supervise_coordinator(now)
 
     def _look_for_stall(self, name: str, now: float) -> tuple[str, float] | None:
@@ -899,6 +898,16 @@ def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
     return None
 
 
+def _latest_checkpoint(island_dir: Path) -> str:
+    """The tag (``step<N>``) of an island's newest complete checkpoint; "" if none."""
+    from ds_diloco.zero import LATEST
+
+    try:
+        return (island_dir / "checkpoints" / LATEST).read_text().strip()
+    except OSError:
+        return ""
+
+
 def _json_or_none(text: str):
     """A JSON document, or None for a torn one (a crash mid-write, a full disk)."""
     try:
@@ -943,8 +952,7 @@ def resume_point(cfg: RunConfig) -> dict:
         if isinstance(summary, dict) and summary.get("steps", 0) >= cfg.train_of(spec).steps:
             out[spec.name] = {"done": True}
             continue
-        latest = d / "checkpoints" / "latest"
-        tag = latest.read_text().strip() if latest.is_file() else ""
+        tag = _latest_checkpoint(d)
         out[spec.name] = {"step": int(tag[4:]) if tag.startswith("step") else 0}
     return out
 
