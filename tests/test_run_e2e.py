@@ -255,20 +255,34 @@ def test_islands_of_world_size_1_and_2_survive_a_coordinator_outage(
 STEPS_KILL = 24  # at least 0.1 s a step (step_delay_s): 18 steps still to go when one is killed
 
 
+def _two_rank_island(tmp_path, tiny_config_path, steps: int, train=None, **run) -> LocalRun:
+    """A run of one island "two" of 2 ranks that checkpoints every 4 steps of at least
+    0.1 s, restarted once after 0.5 s (``train`` and ``run`` add to or override that)."""
+    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
+                          steps=steps)  # fmt: skip
+    cfg = json.loads(path.read_text())
+    cfg["train"].update(checkpoint_every=4, step_delay_s=0.1, **(train or {}))
+    path.write_text(json.dumps({**cfg, "max_restarts": 1, "restart_backoff_s": 0.5, **run}))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return LocalRun(load_run_config(path))
+
+
+def _supervise_until(lr: LocalRun, cond, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, (what, lr.events, lr.island_records())
+        lr.supervise()
+        time.sleep(0.1)
+
+
 def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint(
     tmp_path, tiny_config_path
 ):
     # ZeRO-3 cannot go on without a rank. One rank of a two-rank island is SIGKILLed: the
     # launcher stops the other (none waits in a collective for ever), the run restarts the
     # whole island after its backoff, and both ranks resume from their last checkpoint.
-    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
-                          steps=STEPS_KILL)  # fmt: skip
-    run = json.loads(path.read_text())
-    run["train"].update(checkpoint_every=4, step_delay_s=0.1)
-    path.write_text(json.dumps({**run, "max_restarts": 1, "restart_backoff_s": 0.5}))
-    lr = LocalRun(load_run_config(path))
+    lr = _two_rank_island(tmp_path, tiny_config_path, STEPS_KILL)
     island = lr.workdir / "islands" / "two"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         client = lr.start_coordinator()
         lr.start_islands()
@@ -283,11 +297,7 @@ def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGKILL)
         killed_at = lr.island_records()["two"]["step"]
-        deadline = time.monotonic() + 300
-        while not lr.finished():
-            assert time.monotonic() < deadline, (lr.events, lr.island_records())
-            lr.supervise()
-            time.sleep(0.1)
+        _supervise_until(lr, lr.finished, "the end of the run")
         after = client.status()["islands"]["two"]
     finally:
         lr.stop()
@@ -325,34 +335,20 @@ def test_an_island_goes_on_without_a_slot_that_keeps_failing_and_takes_it_back_r
     # the smaller launch is stopped right after its next checkpoint and the island goes on
     # from there on both slots (written by 1, loaded by 2). Before, the island was
     # restarted on every slot.
-    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
-                          steps=STEPS_RESIZE)  # fmt: skip
-    run = json.loads(path.read_text())
-    run["train"].update(checkpoint_every=4, step_delay_s=0.1)
-    path.write_text(json.dumps({**run, "max_restarts": 1, "restart_backoff_s": 0.5,
-                                "downscale_after": 1, "slot_quarantine_s": QUARANTINE_S}))  # fmt: skip
-    lr = LocalRun(load_run_config(path))
+    lr = _two_rank_island(tmp_path, tiny_config_path, STEPS_RESIZE, downscale_after=1,
+                          slot_quarantine_s=QUARANTINE_S)  # fmt: skip
     island = lr.workdir / "islands" / "two"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    def supervised(cond, what, timeout=300):
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, (what, lr.events, lr.island_records())
-            lr.supervise()
-            time.sleep(0.1)
-
     try:
         lr.start_coordinator()
         lr.start_islands()
-        supervised(lambda: (island / "checkpoints" / "latest").exists()
-                   and lr.island_records().get("two", {}).get("step", 0) >= 6,
-                   "the first checkpoint")  # fmt: skip
+        _supervise_until(lr, lambda: (island / "checkpoints" / "latest").exists()
+                         and lr.island_records().get("two", {}).get("step", 0) >= 6,
+                         "the first checkpoint")  # fmt: skip
         first = lr.rank_pids("two")
         assert sorted(first) == [0, 1], first
         time.sleep(0.3)  # the rank watch has found both ranks
         os.kill(first[1], signal.SIGKILL)
-        supervised(lr.finished, "the end of the run")
+        _supervise_until(lr, lr.finished, "the end of the run")
     finally:
         lr.stop()
     events = [(e["event"], e.get("slot_out"), e.get("slots")) for e in lr.events]
@@ -395,14 +391,8 @@ def test_a_frozen_rank_stalls_its_island_whose_ranks_exit_with_their_stacks_and_
     # process group's timeout). Now the peer's own watch stops it, with its stacks in the
     # log; the run kills the island's processes at once (its launcher would wait 30 s for
     # the frozen rank's SIGTERM) and restarts it, and it resumes from its checkpoint.
-    path = write_run_file(tmp_path, tiny_config_path, [{"name": "two", "world_size": 2}],
-                          steps=STEPS_KILL)  # fmt: skip
-    run = json.loads(path.read_text())
-    run["train"].update(checkpoint_every=4, step_delay_s=0.1, stall_exit_s=STALL_S)
-    path.write_text(json.dumps({**run, "max_restarts": 1, "restart_backoff_s": 0.5}))
-    lr = LocalRun(load_run_config(path))
+    lr = _two_rank_island(tmp_path, tiny_config_path, STEPS_KILL, {"stall_exit_s": STALL_S})
     island = lr.workdir / "islands" / "two"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         lr.start_coordinator()
         lr.start_islands()
