@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -449,16 +450,17 @@ def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island
     assert "universal" not in loaded["after"], loaded["after"]
 
 
-def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(tmp_path):
+def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(island, tmp_path):
     # A resized island whose checkpoint DeepSpeed cannot convert starts from the global
     # model (zero._load_resized) and names the cause; nothing half-written is left to be
-    # taken for a converted checkpoint by the next launch.
+    # taken for a converted checkpoint by the next launch. The two-rank checkpoint of the
+    # resize scenario, rank 1's optimizer file spoilt: rank 0's part is converted first.
     source = tmp_path / "step3"
-    source.mkdir()
-    (source / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    shutil.copytree(Path(island.spec["resize_dir"]) / "step3", source)
+    (source / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
     target = tmp_path / zero.UNIVERSAL / "step3"
     problem = zero._convert_to_universal(source, target)
     assert problem is not None and problem.startswith(
         "its conversion to DeepSpeed's universal format failed (exit 1: "
     ), problem
-    assert not target.exists() and list(target.parent.glob(".*")) == []
+    assert not target.exists() and list(target.parent.iterdir()) == []
