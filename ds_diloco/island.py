@@ -169,6 +169,16 @@ class _NoSync:
         pass
 
 
+IN_LOOP_STATS = ("agree_s", "send_s", "apply_s", "cache_s")
+"""The syncer's training-thread timers that the loop's sync part (``sync_s``) holds; the
+same timers also run in the end-of-training flush (its sends), outside that part."""
+
+
+def _in_loop(learner) -> dict[str, float]:
+    stats = learner.stats
+    return {k: getattr(stats, k) for k in IN_LOOP_STATS} if stats else {}
+
+
 def _rss_mb() -> float | None:
     """This process's resident memory now, MiB (None without /proc)."""
     try:
@@ -245,7 +255,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if stall.armed and rank == 0:  # what a "Timeout (...)!" further down this log means
             log.info("island %s: a rank whose step takes over %g s (train.stall_exit_s) writes "
                      "its stacks here and exits", cfg.island, t.stall_exit_s)  # fmt: skip
-        t_start = time.perf_counter()
+        t_start, loop_start = time.perf_counter(), _in_loop(learner)
         for step in range(start_step + 1, t.steps + 1):
             stall.beat()
             t0 = time.perf_counter()
@@ -297,6 +307,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
                 with stall.paused():  # as long as the disk takes
                     zero.save_checkpoint(engine, ckpt_dir, step, state)
     wall = time.perf_counter() - t_start
+    loop_stats = {k: v - loop_start[k] for k, v in _in_loop(learner).items()}
     learner.close(leave=True)  # done for good: no quorum should count on this island now
     end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
     summary = {
@@ -336,6 +347,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "heldout_loss_start": start_loss,
         "heldout_loss_end": end_loss,
         "stats": vars(learner.stats) if learner.stats else None,
+        # Of those timers, what ran inside the loop's sync part: the breakdown of sync_s.
+        "loop_stats": loop_stats or None,
         "plain": plain,
         "sync_blocks": t.sync_blocks,  # bench island's paired launches
         "sync_blocks_off_first": t.sync_blocks_off_first,

@@ -98,7 +98,8 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     plain, ds = bench.of("plain")[0], bench.of("ds_diloco")[0]
     # The baseline really is plain ZeRO-3: no syncer, no coordinator.
     assert all(
-        r["plain"] is True and r["stats"] is None and r["versions"] == [] for r in plain.ranks
+        r["plain"] is True and r["stats"] is r["loop_stats"] is None and r["versions"] == []
+        for r in plain.ranks
     )
     assert plain.coordinator_versions is None and plain.coordinator_cpu_s is None
     # The ds_diloco launch really synced: every rank uploaded, the coordinator merged,
@@ -111,6 +112,13 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         s = r["stats"]
         assert s["uploads"] + s["skipped"] == STEPS + s["flushed"] and s["uploads"] > 0, s
         assert s["failed"] == s["refused"] == 0, s
+        # The sync part's breakdown is the loop's alone: within it, and without the final
+        # flush's sends (which the whole-run timers hold: they could add up to more).
+        loop = r["loop_stats"]
+        assert sorted(loop) == ["agree_s", "apply_s", "cache_s", "send_s"], loop
+        assert 0 < sum(loop.values()) <= r["sync_s"] + 1e-3, (loop, r["sync_s"])
+        assert all(0 <= loop[k] <= s[k] for k in loop), (loop, s)
+        assert loop["send_s"] < s["send_s"] or not s["flushed"], (loop, s)
     assert ds.coordinator_versions is not None and max(ds.coordinator_versions) > 0
     assert all(max(r["versions"]) > 0 and r["stats"]["applied"] > 0 for r in ds.ranks), ds.ranks
     assert ds.coordinator_cpu_s is not None and ds.coordinator_cpu_s >= 0

@@ -133,8 +133,9 @@ def figures(run: dict, warmup: int) -> dict:
     gpu = [r.get("peak_gpu_mb") for r in run["ranks"]]
 
     def per_step_ms(key: str) -> float:  # a rank's syncer time per step, mean over ranks
+        # In the loop only (the final flush's sends are not in the sync part).
         return 1e3 * statistics.fmean(
-            (r.get("stats") or {}).get(key, 0.0) / r["steps"] for r in run["ranks"]
+            (r.get("loop_stats") or {}).get(key, 0.0) / r["steps"] for r in run["ranks"]
         )
 
     return {

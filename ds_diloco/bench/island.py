@@ -601,10 +601,13 @@ class IslandBench:
         def per_step(key: str):
             return lambda x: statistics.fmean(r[key] / r["steps"] for r in x.summaries(rank))
 
-        def stat(key: str):  # a syncer counter per step, mean over the ranks
+        def stat(key: str, of: str = "stats"):  # a syncer counter per step, mean over ranks
             return lambda x: statistics.fmean(
-                (r["stats"] or {}).get(key, 0.0) / r["steps"] for r in x.summaries(rank)
+                (r.get(of) or {}).get(key, 0.0) / r["steps"] for r in x.summaries(rank)
             )
+
+        def in_loop(key: str):  # the share of the sync part (not the final flush's sends)
+            return stat(key, "loop_stats")
 
         return Side(
             step_s=med(lambda x: x.step_s(rank)),
@@ -612,10 +615,10 @@ class IslandBench:
             peak_rss_mb=med(lambda x: sum(r["peak_rss_mb"] for r in x.summaries(rank))),
             train_per_step_s=med(per_step("train_s")),
             sync_per_step_s=med(per_step("sync_s")),
-            agree_per_step_s=med(stat("agree_s")),
+            agree_per_step_s=med(in_loop("agree_s")),
             transport_cpu_per_step_s=med(stat("transport_cpu_s")),
-            send_per_step_s=med(stat("send_s")),
-            apply_per_step_s=med(lambda x: stat("apply_s")(x) + stat("cache_s")(x)),
+            send_per_step_s=med(in_loop("send_s")),
+            apply_per_step_s=med(lambda x: in_loop("apply_s")(x) + in_loop("cache_s")(x)),
         )
 
     def rows(self) -> list[Row]:
