@@ -3,10 +3,11 @@
 
 The run is ``launch/finetune-smollm2.yaml`` cut down for CI: 4 steps of one sonnet
 block (seq_len 32) per island, one merge per fragment; ``launch/finetune.sh`` runs the
-real one (40 steps at seq_len 64 on Shakespeare's plays). Even so it is the slowest test:
-about 3 min of CPU time (starting 7 Python processes, the 135M model loaded 6 times,
-converted once when launch/finetune.sh has not cached it), 5-6.5 min measured on a
-2-core machine loaded by other jobs. Skipped without the GGUF file, like test_convert.py.
+real one (40 steps at seq_len 64 on Shakespeare's plays). Even so it is one of the slowest
+tests (7 Python processes started, the 135M model loaded 6 times, converted once when
+launch/finetune.sh has not cached it): 55 s alone on 2 cores, 80-87 s beside the suite's
+other worker, 5-6.5 min once on a 2-core machine loaded by other jobs. Skipped without
+the GGUF file, like test_convert.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whole runs with real processes: a coordinator and DeepSpeed ZeRO-3 islands (gloo, CPU).
 
-These are the slowest tests of the suite (about a minute each on 2 cores).
+Among the slowest tests of the suite: 4-35 s each alone on 2 cores.
 """
 
 from __future__ import annotations
