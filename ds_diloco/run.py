@@ -900,10 +900,10 @@ def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
 
 def _latest_checkpoint(island_dir: Path) -> str:
     """The tag (``step<N>``) of an island's newest complete checkpoint; "" if none."""
-    from ds_diloco.zero import LATEST
+    from ds_diloco.zero import latest_tag
 
     try:
-        return (island_dir / "checkpoints" / LATEST).read_text().strip()
+        return latest_tag(island_dir / "checkpoints") or ""
     except OSError:
         return ""
 

@@ -312,15 +312,22 @@ def checkpoint_world_size(folder: Path) -> int | None:
     return state.get("dp_world_size")
 
 
+def latest_tag(directory: Path) -> str | None:
+    """The tag (``step<N>``) that ``directory``'s ``LATEST`` file names; None: no such file."""
+    try:
+        return (directory / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
 def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens,
     micro-batches read by each rank); (0, 0, 0) if none. Checkpoints from before gradient
     accumulation read one micro-batch per step. One written by another number of ranks is
     loaded through DeepSpeed's universal format (:func:`_load_resized`)."""
-    pointer = directory / LATEST
-    if not pointer.exists():
+    pointer, tag = directory / LATEST, latest_tag(directory)
+    if tag is None:
         return 0, 0, 0
-    tag = pointer.read_text().strip()
     if not tag or not (directory / tag).is_dir():
         raise RuntimeError(
             f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
