@@ -42,14 +42,11 @@ def after_death(
     count = state.streak[1] + 1 if state.streak and state.streak[0] == slot else 1
     why = (f"rank {first_dead} (slot {slot}) was the first to die in {count} "
            f"launch{'es' if count > 1 else ''} in a row")  # fmt: skip
+    counted = SlotState(state.slots, (slot, count), dict(state.out_until))
     if after <= 0 or count < after:
-        return SlotState(state.slots, (slot, count), dict(state.out_until)), None, why
+        return counted, None, why
     if len(launched) <= 1:
-        return (
-            SlotState(state.slots, (slot, count), dict(state.out_until)),
-            None,
-            (f"{why}, but it is the island's last slot"),
-        )
+        return counted, None, f"{why}, but it is the island's last slot"
     out = {**state.out_until, slot: now + quarantine_s}
     return SlotState(state.slots, None, out), slot, why
 
