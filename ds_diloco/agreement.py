@@ -23,6 +23,8 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 
+from ds_diloco import hostnames
+
 log = logging.getLogger(__name__)
 
 ENV = "DS_DILOCO_SOCKET_AGREEMENT"
@@ -138,7 +140,7 @@ def local_host() -> str:
             log.warning("agreement: %s=%s has no IPv4 address here (%s); the address "
                         "towards MASTER_ADDR is used", IFNAME_ENV, named, e)  # fmt: skip
     try:
-        target = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        target = hostnames.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         port = int(os.environ.get("MASTER_PORT", "29500"))
         if not target.startswith("127."):
             return _source_address((target, port))
@@ -175,7 +177,7 @@ def open_mesh(
         if any(a is None for a, _ in table):
             raise OSError("a rank could not listen")
         for r in range(rank):
-            s = socket.create_connection(tuple(table[r][0]), timeout=CONNECT_TIMEOUT_S)
+            s = hostnames.create_connection(tuple(table[r][0]), timeout=CONNECT_TIMEOUT_S)
             s.sendall(_HELLO.pack(nonce, rank))
             peers[r] = s
         for _ in range(rank + 1, world):

@@ -43,24 +43,11 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import torch
 
-from ds_diloco import tls, wire
+from ds_diloco import hostnames, tls, wire
 from ds_diloco.fragments import Fragment
 from ds_diloco.sharding import shard_range
 
 log = logging.getLogger(__name__)
-
-
-def _create_connection(address, *args, **kwargs) -> socket.socket:
-    """``socket.create_connection`` with an ASCII host name passed as bytes. A ``str`` host
-    is encoded with the ``idna`` codec by ``getaddrinfo``, and that codec's first use
-    imports ``stringprep``: the one module a rank of ours loaded that a plain ZeRO-3 rank
-    does not, 420 kB of resident memory (measured in a fresh interpreter), counted against
-    the one shard copy a rank may hold beyond plain ZeRO-3. Non-ASCII names still go
-    through ``idna`` (and so does TLS's server name, for a host name that is no address)."""
-    host, port = address
-    if isinstance(host, str) and host.isascii():
-        host = host.encode("ascii")
-    return socket.create_connection((host, port), *args, **kwargs)
 
 
 def _quote(island: str) -> str:
@@ -178,7 +165,7 @@ class CoordinatorClient:
                 )
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
-            conn._create_connection = _create_connection  # its hook for this (see above)
+            conn._create_connection = hostnames.create_connection  # no idna codec
             self._local.conn = conn
             with self._conns_lock:
                 self._conns[threading.current_thread()] = conn
