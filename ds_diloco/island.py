@@ -179,28 +179,19 @@ def _in_loop(learner) -> dict[str, float]:
     return {k: getattr(stats, k) for k in IN_LOOP_STATS} if stats else {}
 
 
-def _rss_mb() -> float | None:
-    """This process's resident memory now, MiB (None without /proc)."""
+def _resident_mb() -> tuple[float | None, float | None]:
+    """This process's resident memory now and, of it, the anonymous part, MiB (None, None
+    without /proc). Anonymous pages are the process's own data (heap, stacks, tensors);
+    the rest is file-backed, mostly shared libraries' code, which a host holds once though
+    every rank's ``ru_maxrss`` counts it. Unlike private pages, the anonymous ones do not
+    depend on which other processes (a co-located coordinator) map the same libraries."""
     try:
         with open("/proc/self/statm") as f:
-            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 2)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _private_mb() -> float | None:
-    """This process's private resident memory now (pages no other process maps), MiB; None
-    without /proc. Unlike the RSS it leaves out the shared libraries' code pages, which
-    ``ru_maxrss`` counts in every rank though a host holds one copy of them."""
-    try:
-        kb = 0
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    kb += int(line.split()[1])
-        return round(kb / 1024, 2)
-    except (OSError, ValueError, IndexError):
-        return None
+            resident, shared = (int(x) for x in f.read().split()[1:3])
+        page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        return round(resident * page_mb, 2), round((resident - shared) * page_mb, 2)
+    except (OSError, ValueError):
+        return None, None
 
 
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
@@ -245,8 +236,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         progress.flush()
     sync_s, sync_max_s, step_s = 0.0, 0.0, 0.0
     step_times = []  # whole steps, sync included: what the benchmark compares
-    setup_rss_mb, step_rss_mb = _rss_mb(), []  # where a rank's memory goes (bench island)
-    setup_private_mb = _private_mb()
+    setup_rss_mb, setup_anon_mb = _resident_mb()  # where a rank's memory goes (bench island)
+    step_rss_mb, step_anon_mb = [], []
     slow = _FaultHook(workdir, rank)
     gc_tuning.resume_after_setup()  # the same in both modes, before the first timed step
     # A rank stuck from here to the last step exits, its stacks in the log (a frozen peer
@@ -281,7 +272,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             sync_s += t2 - t1
             sync_max_s = max(sync_max_s, t2 - t1)
             step_times.append(t2 - t0)
-            step_rss_mb.append(_rss_mb())
+            rss_mb, anon_mb = _resident_mb()
+            step_rss_mb.append(rss_mb)
+            step_anon_mb.append(anon_mb)
             record = None
             if step % t.log_every == 0 or step == t.steps:
                 record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
@@ -330,9 +323,10 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
-        "setup_private_mb": setup_private_mb,  # of it, this process's own pages
+        "setup_anon_mb": setup_anon_mb,  # of it, anonymous: the process's own data
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "step_rss_mb": step_rss_mb,  # after each step
+        "step_anon_mb": step_anon_mb,
         "peak_gpu_mb": (
             round(torch.cuda.max_memory_allocated() / 2**20, 1)
             if engine.device.type == "cuda"

@@ -85,8 +85,10 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
             assert all(_positive_finite(t) for t in r["step_times_s"]), r["step_times_s"]
             assert _positive_finite(r["peak_rss_mb"]) and _positive_finite(r["shard_fp32_mb"]), r
             assert _positive_finite(r["setup_rss_mb"]) and len(r["step_rss_mb"]) == STEPS, r
-            # Private pages: most of a rank (its tensors), not all (libraries' code is shared).
-            assert 0.5 * r["setup_rss_mb"] < r["setup_private_mb"] < r["setup_rss_mb"], r
+            # Anonymous pages: most of a rank (its tensors), not all (libraries' code is not).
+            assert 0.5 * r["setup_rss_mb"] < r["setup_anon_mb"] < r["setup_rss_mb"], r
+            assert len(r["step_anon_mb"]) == STEPS, r
+            assert all(0 < a < m for a, m in zip(r["step_anon_mb"], r["step_rss_mb"])), r
             assert all(_positive_finite(m) for m in r["step_rss_mb"]), r["step_rss_mb"]
             assert max(r["setup_rss_mb"], *r["step_rss_mb"]) <= r["peak_rss_mb"] + 1, r
             # the memory launches' ranks really ran with the allocator setting, the others not
@@ -176,12 +178,13 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         assert m.base_copy_mb == pytest.approx(m.shard_fp32_mb, abs=0.01), m
     for m in mem:
         assert math.isfinite(m.extra_mb()) and m.met == (m.extra_mb() <= m.shard_fp32_mb)
-        assert math.isfinite(m.private_extra_mb()), m
+        assert math.isfinite(m.anon_extra_mb()) and math.isfinite(m.anon_extra_mb("step_anon_mb"))
 
     report = format_report(bench, cfg)
     assert report.count("ratio") >= 3 and "coordinator process" in report
     assert "MALLOC_MMAP_THRESHOLD_=131072" in report and "extra before the first step" in report
-    assert f"(in private pages {mem[0].private_extra_mb():+.1f} MB)" in report
+    assert f"(anonymous {mem[0].anon_extra_mb():+.1f} MB), after a step" in report
+    assert f"(anonymous {mem[0].anon_extra_mb('step_anon_mb'):+.1f} MB); of the peak's" in report
     assert f"the base copy {mem[0].base_copy_mb:.1f} MB" in report
     summary = json.loads(json.dumps(to_json(bench, cfg)))  # serialisable as it is
     assert "paired (2 ds_diloco launch(es)" in report
@@ -192,14 +195,16 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
     assert len(summary["memory_rows"]) == 3 and summary["settings"]["memory_repeats"] == 1
 
 
-def test_rss_reading_follows_an_allocation():
+def test_rss_reading_follows_an_allocation_and_counts_it_anonymous():
     import torch
 
-    from ds_diloco.island import _rss_mb
+    from ds_diloco.island import _resident_mb
 
-    before = _rss_mb()
+    rss, anon = _resident_mb()
+    assert 0 < anon < rss, (rss, anon)  # the interpreter's and libraries' code is file-backed
     x = torch.ones(16 * 2**20)  # 64 MiB, written: resident
-    assert _rss_mb() - before > 60, (before, _rss_mb())
+    rss_after, anon_after = _resident_mb()
+    assert rss_after - rss > 60 and anon_after - anon > 60, (rss, anon, rss_after, anon_after)
     del x
 
 

@@ -46,10 +46,10 @@ allocator's mmap threshold fixed, it is the peak of the live memory, the same
 within 1-2 MB from launch to launch. Those launches also give each rank's
 resident memory before the first step (the syncer's base copy is in it) and
 after every step (what the sends and applies hold), so the extra can be told
-apart: the base copy, and what is in flight. Before the first step a rank also reads
-its private pages (``/proc/self/smaps_rollup``): the code pages of shared libraries
-that only the syncer runs are in every rank's ``ru_maxrss`` though a host holds them
-once. The private extra is shown beside; the verdict stays on ``ru_maxrss``.
+apart: the base copy, and what is in flight. Each reading also gives the anonymous part
+(the rank's own data: heap, stacks, tensors): the code pages of shared libraries that
+only the syncer runs are in every rank's ``ru_maxrss`` though a host holds them once.
+The anonymous extra is shown beside; the verdict stays on ``ru_maxrss``.
 
 Where the overhead goes: the syncer's work inside the step (``sync_s``), of it
 the ranks' agreement collective (``stats.agree_s``), the training part's
@@ -452,6 +452,15 @@ class Row:
         }
 
 
+def _listed(value) -> list:
+    """A summary's reading as a list: per-step readings as they are, one reading alone."""
+    return value if isinstance(value, list) else [value]
+
+
+def _anon(extra_mb: float | None) -> str:
+    return "" if extra_mb is None else f" (anonymous {extra_mb:+.1f} MB)"
+
+
 @dataclasses.dataclass
 class MemorySide:
     """One mode's resident memory in the memory launches, MiB (medians over launches)."""
@@ -461,9 +470,11 @@ class MemorySide:
     """Before the first step: engine, data and (ds_diloco) the syncer with its base copy."""
     step_rss_mb: float
     """After a step (median over the steps after warm-up)."""
-    setup_private_mb: float | None = None
-    """Of ``setup_rss_mb``, the pages no other process maps (None: not read). The rest are
-    shared, mostly libraries' code: one copy per host, yet in every rank's ``ru_maxrss``."""
+    setup_anon_mb: float | None = None
+    """Of ``setup_rss_mb``, the anonymous pages (None: not read). The rest is file-backed,
+    mostly libraries' code: one copy per host, yet in every rank's ``ru_maxrss``."""
+    step_anon_mb: float | None = None
+    """Of ``step_rss_mb``, the anonymous pages (None: not read)."""
 
 
 @dataclasses.dataclass
@@ -484,9 +495,9 @@ class MemoryRow:
     def extra_mb(self, key: str = "peak_rss_mb") -> float:
         return getattr(self.ds_diloco, key) - getattr(self.plain, key)
 
-    def private_extra_mb(self) -> float | None:
-        """ds_diloco's extra before the first step in private pages only (None: not read)."""
-        a, b = self.ds_diloco.setup_private_mb, self.plain.setup_private_mb
+    def anon_extra_mb(self, key: str = "setup_anon_mb") -> float | None:
+        """ds_diloco's extra in anonymous pages (None: not read)."""
+        a, b = getattr(self.ds_diloco, key), getattr(self.plain, key)
         return None if a is None or b is None else a - b
 
     @property
@@ -502,8 +513,9 @@ class MemoryRow:
             "base_copy_mb": self.base_copy_mb,
             "extra_mb": self.extra_mb(),
             "setup_extra_mb": self.extra_mb("setup_rss_mb"),
-            "setup_private_extra_mb": self.private_extra_mb(),
+            "setup_anon_extra_mb": self.anon_extra_mb("setup_anon_mb"),
             "step_extra_mb": self.extra_mb("step_rss_mb"),
+            "step_anon_extra_mb": self.anon_extra_mb("step_anon_mb"),
             "met": self.met,
         }
 
@@ -560,9 +572,10 @@ class IslandBench:
         def med(key: str, pick=lambda v: v) -> float:
             return statistics.median(sum(pick(r[key]) for r in x.summaries(rank)) for x in runs)
 
-        def med_or_none(key: str) -> float | None:  # a rank without /proc reads None
+        def med_or_none(key: str, pick=lambda v: v) -> float | None:  # None: no /proc
             summaries = [r for x in runs for r in x.summaries(rank)]
-            return None if any(r.get(key) is None for r in summaries) else med(key)
+            values = [v for r in summaries for v in _listed(r.get(key))]
+            return None if not values or None in values else med(key, pick)
 
         def steady(values: list[float]) -> float:  # after warm-up, per step
             return statistics.median(values[self.warmup :] or values)
@@ -571,7 +584,8 @@ class IslandBench:
             peak_rss_mb=med("peak_rss_mb"),
             setup_rss_mb=med("setup_rss_mb"),
             step_rss_mb=med("step_rss_mb", steady),
-            setup_private_mb=med_or_none("setup_private_mb"),
+            setup_anon_mb=med_or_none("setup_anon_mb"),
+            step_anon_mb=med_or_none("step_anon_mb", steady),
         )
 
     def memory_rows(self) -> list[MemoryRow]:
@@ -767,20 +781,19 @@ def _memory_lines(bench: IslandBench, rows: list[Row]) -> list[str]:
             f"mode with {env}, so that resident memory follows live memory), {goal}:"
         )
         for m in mem:
-            private = m.private_extra_mb()
-            private = "" if private is None else f" (in private pages {private:+.1f} MB)"
+            setup, step = (_anon(m.anon_extra_mb(k)) for k in ("setup_anon_mb", "step_anon_mb"))
             lines.append(
                 f"    {m.name:7s} plain {m.plain.peak_rss_mb:.1f} MB  ds_diloco "
                 f"{m.ds_diloco.peak_rss_mb:.1f} MB  extra {m.extra_mb():+.1f} MB  vs shard fp32 "
                 f"{m.shard_fp32_mb:.1f} MB  ({'met' if m.met else 'MISSED'}); extra before "
-                f"the first step {m.extra_mb('setup_rss_mb'):+.1f} MB{private}, after a step "
-                f"{m.extra_mb('step_rss_mb'):+.1f} MB; of the peak's, the base copy "
+                f"the first step {m.extra_mb('setup_rss_mb'):+.1f} MB{setup}, after a step "
+                f"{m.extra_mb('step_rss_mb'):+.1f} MB{step}; of the peak's, the base copy "
                 f"{m.base_copy_mb:.1f} MB and the rest {m.extra_mb() - m.base_copy_mb:+.1f} MB"
             )
         lines.append(
-            "    (private pages: no other process maps them; the rest of a rank's resident "
-            "memory is shared, mostly libraries' code, one copy per host, yet counted by "
-            "every rank's ru_maxrss: the verdict stays on ru_maxrss)"
+            "    (anonymous: the rank's own data, heap, stacks and tensors; the rest of its "
+            "resident memory is file-backed, mostly libraries' code, one copy per host, yet "
+            "counted by every rank's ru_maxrss: the verdict stays on ru_maxrss)"
         )
         lines.append(
             "  with the default allocator (the timed launches; no verdict: see the spread):"
