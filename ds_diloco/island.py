@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -211,6 +212,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     start_step, tokens, batches = (
         zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0, 0)
     )
+    modules_before = set(sys.modules)  # what the syncer imports shows below (bench island)
     if plain:
         learner = _NoSync()
     else:  # joins the run: registers, checks the model, takes the global fragments
@@ -327,6 +329,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "step_rss_mb": step_rss_mb,  # after each step
         "step_anon_mb": step_anon_mb,
+        # Imported once the engine was built: bench island compares the two modes' lists (a
+        # module that only the syncer's path loads is memory that plain ZeRO-3 does not hold).
+        "modules_loaded": sorted(set(sys.modules) - modules_before),
         "peak_gpu_mb": (
             round(torch.cuda.max_memory_allocated() / 2**20, 1)
             if engine.device.type == "cuda"

@@ -104,6 +104,12 @@ def test_bench_island_runs_both_modes_and_reports_every_rank(tmp_path, tiny_conf
         for r in plain.ranks
     )
     assert plain.coordinator_versions is None and plain.coordinator_cpu_s is None
+    # Every module a ds_diloco rank imports after its engine is built, plain ZeRO-3's does
+    # too: a module only the syncer's path loads is memory in every rank, beyond the base
+    # copy (the idna codec and stringprep, 107 kB of objects, were one).
+    for p_rank, d_rank in zip(plain.ranks, ds.ranks):
+        extra = set(d_rank["modules_loaded"]) - set(p_rank["modules_loaded"])
+        assert not extra, sorted(extra)
     # The ds_diloco launch really synced: every rank uploaded, the coordinator merged,
     # and the ranks applied merged fragments.
     assert all(r["plain"] is False for r in ds.ranks)
