@@ -111,12 +111,47 @@ def check_islands_inputs(cfg: RunConfig) -> None:
 
 
 _PORTS_GIVEN: set[int] = set()
+PORTS_ENV = "DS_DILOCO_PORTS"
+"""``LOW-HIGH``: the ports :func:`free_port` hands out (the coordinator's and each island's
+master port where the run file names none): a firewall's open range, or, in the tests, a
+range per pytest-xdist worker. Unset: whichever the kernel offers."""
+
+
+def port_range() -> tuple[int, int] | None:
+    """``PORTS_ENV``'s range, None where it is unset; ValueError naming it where it is bad."""
+    text = os.environ.get(PORTS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        low, high = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV}={text!r}: want LOW-HIGH, e.g. 20000-20999") from None
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(f"{PORTS_ENV}={text!r}: want 1024 <= LOW <= HIGH <= 65535")
+    return low, high
 
 
 def _unbound_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    span = port_range()
+    if span is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, high = span
+    start = secrets.randbelow(high - low + 1)  # from anywhere in it: a port just given is in use
+    for i in range(high - low + 1):
+        port = low + (start + i) % (high - low + 1)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(
+        f"no free port: every port of {PORTS_ENV}={low}-{high} is in use or handed out"
+    )
 
 
 def free_port() -> int:
@@ -125,14 +160,16 @@ def free_port() -> int:
     The port is free only until someone binds it: the coordinator and a launcher's rank 0
     bind theirs seconds later (imports first), and the kernel may hand the same unbound
     port out again in between. A rank's TCPStore then met the coordinator's HTTP server
-    ("Ping failed ... Got: 1347703880", b"HTTP"), so a port is never handed out twice."""
+    ("Ping failed ... Got: 1347703880", b"HTTP"), so a port is never handed out twice.
+    Another process may still pick it in that window: processes that start runs side by
+    side (the tests' workers) give each one its own range (``PORTS_ENV``)."""
     for _ in range(100):
         port = _unbound_port()
         if port not in _PORTS_GIVEN:
             _PORTS_GIVEN.add(port)
             return port
     raise RuntimeError(
-        f"no free port: the kernel kept giving ports already handed out ({len(_PORTS_GIVEN)})"
+        f"no free port: the ports offered had all been handed out ({len(_PORTS_GIVEN)} so far)"
     )
 
 

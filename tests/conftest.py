@@ -12,6 +12,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+
+def _worker_ports() -> None:
+    """Each pytest-xdist worker hands out ports (``free_port``, in its runs' processes too) from
+    a range of its own, below the kernel's ephemeral ports (32768 up) and DeepSpeed's default
+    29500: two workers could otherwise pick the same unbound port, one between the other's
+    pick and its bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...: set before conftest
+    if worker.startswith("gw") and "DS_DILOCO_PORTS" not in os.environ:
+        width = 9_000 // max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+        low = 20_000 + int(worker[2:]) * width
+        os.environ["DS_DILOCO_PORTS"] = f"{low}-{low + width - 1}"
+
+
+_worker_ports()
+
 # A tiny Llama: small enough that a coordinator and a few trained copies take
 # well under a second to build, with every kind of tensor the real ones have.
 TINY_LLAMA = {

@@ -842,6 +842,29 @@ def test_a_port_handed_out_is_never_handed_out_again(monkeypatch):
         run_mod.free_port()
 
 
+def test_ports_come_from_the_range_the_environment_names(monkeypatch):
+    monkeypatch.setattr(run_mod, "_PORTS_GIVEN", set())
+    with socket.socket() as held:  # a port in use: never handed out
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        low = max(busy - 20, 1024)
+        monkeypatch.setenv(run_mod.PORTS_ENV, f"{low}-{busy}")
+        got = {run_mod.free_port() for _ in range(8)}
+        assert len(got) == 8 and all(low <= p < busy for p in got), (low, busy, got)
+        monkeypatch.setenv(run_mod.PORTS_ENV, f"{busy}-{busy}")
+        with pytest.raises(RuntimeError, match=f"every port of DS_DILOCO_PORTS={busy}-{busy}"):
+            run_mod.free_port()
+    for bad in ("20000", "x-y", "30000-20000", "80-90"):
+        monkeypatch.setenv(run_mod.PORTS_ENV, bad)
+        with pytest.raises(ValueError, match=f"DS_DILOCO_PORTS='{bad}': want"):
+            run_mod.free_port()
+    if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # conftest gave it one
+        monkeypatch.undo()
+        low, high = run_mod.port_range()
+        assert high < 29_500 and low <= run_mod.free_port() <= high
+
+
 def test_a_launcher_seen_gone_with_its_group_is_never_signalled_again(monkeypatch):
     # Its pid is free once the group is empty: a later job given that pid as group leader
     # was SIGTERMed, then SIGKILLed, by stop() (reproduced in a pid namespace).
