@@ -18,11 +18,13 @@ def _worker_ports() -> None:
     a range of its own, below the kernel's ephemeral ports (32768 up) and DeepSpeed's default
     29500: two workers could otherwise pick the same unbound port, one between the other's
     pick and its bind."""
+    from ds_diloco.run import PORTS_ENV
+
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...: set before conftest
-    if worker.startswith("gw") and "DS_DILOCO_PORTS" not in os.environ:
+    if worker.startswith("gw") and PORTS_ENV not in os.environ:
         width = 9_000 // max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
         low = 20_000 + int(worker[2:]) * width
-        os.environ["DS_DILOCO_PORTS"] = f"{low}-{low + width - 1}"
+        os.environ[PORTS_ENV] = f"{low}-{low + width - 1}"
 
 
 _worker_ports()
