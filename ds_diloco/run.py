@@ -994,6 +994,25 @@ def resume_point(cfg: RunConfig) -> dict:
     return out
 
 
+def resumed_starts(workdir: Path, point: dict, since: float) -> dict:
+    """``point`` (:func:`resume_point`, the plan) with, per island started again, the step
+    its first launch since ``since`` (wall clock) really started from (``started_step``,
+    from its ``progress.jsonl``; None if it never began training): a resized island whose
+    checkpoint could not be converted starts from the global model at step 0, not from
+    the planned checkpoint."""
+    out = {}
+    for name, plan in point.items():
+        out[name] = dict(plan)
+        if plan.get("done"):
+            continue
+        path = workdir / "islands" / name / "progress.jsonl"
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        starts = (r for r in map(_json_or_none, lines)
+                  if isinstance(r, dict) and r.get("started_at", -1) >= since)  # fmt: skip
+        out[name]["started_step"] = next((r.get("step") for r in starts), None)
+    return out
+
+
 def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> dict:
     """Held-out loss of the initial and the merged model, and a sample from the merged one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1104,6 +1123,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         check_out_folder(Path(cfg.workdir) / "export")
     check_source(cfg.data.path)  # before a fresh run clears the last one's outputs
     point = resume_point(cfg) if resume else None
+    began = time.time()  # this run's progress records are the ones written from now on
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
     t0 = time.monotonic()
@@ -1132,8 +1152,8 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,
                "startup": lr.startup, **card_settings(cfg)}  # fmt: skip
-    if point is not None:
-        summary["resumed_from"] = point
+    if point is not None:  # the plan, and where each island's first launch really started
+        summary["resumed_from"] = resumed_starts(lr.workdir, point, began)
     if global_evals:
         summary["global_evals"] = global_evals
     if stopped_by:
@@ -1212,6 +1232,12 @@ def _print_summary(s: dict) -> None:
               f"dropped {i['stats']['dropped']}, failed {i['stats']['failed']}, results applied "
               f"late {i['stats'].get('applied_late', 0)} ({i['stats'].get('steps_late', 0)} "
               "steps past tau in all)")  # fmt: skip
+    for name, r in s.get("resumed_from", {}).items():  # a resume that did not go as planned
+        if not r.get("done") and r.get("started_step") != r["step"]:
+            began, ckpt = r.get("started_step"), f"step-{r['step']} checkpoint"
+            how = (f"did not begin training (planned: its {ckpt})" if began is None
+                   else f"resumed at step {began}, not from its {ckpt}")  # fmt: skip
+            print(f"  {name}: {how}; its log.txt says why")
     traffic = (s.get("coordinator") or {}).get("traffic")
     if traffic:  # the coordinator's last launch (a restart counts from 0 again)
         from ds_diloco.status_view import traffic_text

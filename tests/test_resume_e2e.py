@@ -113,7 +113,8 @@ def test_stopped_run_resumes_and_its_export_starts_the_next_run(
     assert resumed.returncode == 0, logs(workdir, resumed.stdout + resumed.stderr)
     assert f"resuming at versions {stopped.versions} (merges {merges})" in resumed.stdout
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["resumed_from"] == {n: {"step": s} for n, s in ckpt.items()}
+    # Planned and done: each island's first launch of this run began at its checkpoint.
+    assert summary["resumed_from"] == {n: {"step": s, "started_step": s} for n, s in ckpt.items()}
     assert all(m > m0 for m, m0 in zip(summary["merges"], merges)), (summary["merges"], merges)
     evals = summary["global_evals"]
     assert all(e["merges"] > sum(merges) for e in evals), (evals, merges)  # none made again
@@ -195,7 +196,7 @@ def test_an_island_resumed_with_more_ranks_goes_on_from_its_checkpoint(
     starts = [r for line in lines if "started_at" in (r := json.loads(line))]
     assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True)], starts
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["resumed_from"] == {"a": {"step": 6}}
+    assert summary["resumed_from"] == {"a": {"step": 6, "started_step": 6}}
     island = summary["islands"]["a"]
     assert island["start_step"] == 6 and island["steps"] == 8
     assert island["tokens"] == (6 + 2 * 2) * TOKENS_PER_STEP  # steps 7 and 8 on two ranks
@@ -231,7 +232,7 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     starts = [r for line in lines if "started_at" in (r := json.loads(line))]
     assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True)], starts
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["resumed_from"] == {"a": {"step": 6}}
+    assert summary["resumed_from"] == {"a": {"step": 6, "started_step": 6}}
     island = summary["islands"]["a"]
     assert island["start_step"] == 6 and island["steps"] == 8
     assert island["tokens"] == (6 + 2 * 2) * TOKENS_PER_STEP  # each step's tokens counted once

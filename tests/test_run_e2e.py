@@ -921,6 +921,33 @@ def test_torn_progress_and_summary_files_do_not_stop_a_run(tmp_path, tiny_config
     assert run_mod.resume_point(cfg) == {"a": {"step": 0}, "b": {"done": True}}
 
 
+def test_a_resumed_runs_summary_says_where_each_island_really_started(tmp_path, capsys):
+    # --resume planned step 6 for every island; the summary said so even when an island
+    # resized for the resume could not convert its checkpoint and began from the global
+    # model at step 0. What each island's first launch of this run wrote is the truth.
+    islands = tmp_path / "islands"
+    for name, records in {
+        "a": [{"step": 0, "started_at": 10.0}, {"step": 6, "loss": 5.0},  # the first run
+              {"step": 6, "started_at": 100.0}, {"step": 0, "started_at": 130.0}],  # a restart
+        "b": [{"step": 0, "started_at": 10.0}, '{"step": 3, "lo',  # torn by the crash
+              {"step": 0, "started_at": 101.0}],  # conversion failed: from the global model
+        "c": [{"step": 0, "started_at": 10.0}],  # never began training in this run
+    }.items():  # fmt: skip
+        (islands / name).mkdir(parents=True)
+        lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+        (islands / name / "progress.jsonl").write_text("\n".join(lines) + "\n")
+    point = {"a": {"step": 6}, "b": {"step": 6}, "c": {"step": 6}, "d": {"done": True}}
+    got = run_mod.resumed_starts(tmp_path, point, since=99.0)
+    assert got == {"a": {"step": 6, "started_step": 6}, "b": {"step": 6, "started_step": 0},
+                   "c": {"step": 6, "started_step": None}, "d": {"done": True}}  # fmt: skip
+    assert point["a"] == {"step": 6}  # the plan is not written over
+    run_mod._print_summary({"wall_s": 1.0, "islands": {}, "merges": [1], "resumed_from": got})
+    out = capsys.readouterr().out
+    assert "b: resumed at step 0, not from its step-6 checkpoint;" in out, out
+    assert "c: did not begin training (planned: its step-6 checkpoint);" in out, out
+    assert "  a: resumed" not in out and "  d:" not in out, out
+
+
 def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_config_path):
     # The supervisor shows every island's last record every few seconds, for the whole run.
     islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
