@@ -275,8 +275,15 @@ class DataConfig:
     """Tokenizer and packed blocks are cached here, keyed by the corpus fingerprint."""
     seed: int = 0
     """Seed of the held-out split and of each shard's batch order."""
+    prepare_timeout_s: float = 6 * 3600.0
+    """How long an island's ranks wait for the one that tokenises the corpus into the cache
+    (once per corpus and tokenizer: later launches find it filled). Their process group's
+    own timeout (30 min) ended the wait on a large corpus. ``ds-diloco prepare-data`` fills
+    the cache ahead of a launch."""
 
     def __post_init__(self):
+        if not self.prepare_timeout_s > 0:
+            raise ValueError(f"data.prepare_timeout_s must be > 0, got {self.prepare_timeout_s}")
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if not 0 < self.heldout_fraction < 1:

@@ -59,13 +59,14 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     the cache."""
     d = cfg.data
     turn = preparation_turn(rank, int(os.environ.get("LOCAL_RANK", rank)))
-    for phase in range(3):
-        if phase == turn:
-            _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                                       tokenizer=d.tokenizer, text_field=d.text_field,
-                                       split=d.split)  # fmt: skip
-        if phase < 2:
-            zero.barrier()
+    with zero.patient_barrier(d.prepare_timeout_s) as wait:  # as long as tokenising takes
+        for phase in range(3):
+            if phase == turn:
+                _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
+                                           tokenizer=d.tokenizer, text_field=d.text_field,
+                                           split=d.split)  # fmt: skip
+            if phase < 2:
+                wait()
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)

@@ -9,6 +9,8 @@
   gloo even in an NCCL island (:func:`agreement_group`).
 - :func:`gather_full_params`: whole tensors, for checks and small exports.
 - :func:`shutdown`, :func:`teardown_gloo`: the process group torn down before exit.
+- :func:`patient_barrier`: a wait on one rank's long work (tokenising the corpus) that
+  outlasts the process group's timeout.
 - :func:`rank_and_world`, :func:`all_reduce_sum`, :func:`optimizer_zero_stage`,
   :func:`check_deepspeed_config`: what the rest of the package asks of them, so that no
   other module imports either (``tests/test_boundaries.py``). This module imports
@@ -500,6 +502,23 @@ def model_finite(engine) -> bool:
 
 def barrier() -> None:
     torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def patient_barrier(timeout_s: float):
+    """A barrier (called as ``wait()``) that waits up to ``timeout_s`` for the last rank:
+    the default group's wait ends at its timeout (30 min), too soon for one rank's long
+    work, such as tokenising a large corpus. A gloo group of all the island's ranks (every
+    rank enters this together), torn down after."""
+    import datetime
+
+    group = torch.distributed.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        yield lambda: torch.distributed.barrier(group=group)
+    finally:
+        torch.distributed.destroy_process_group(group)
 
 
 def initialized() -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -529,3 +531,54 @@ def test_each_node_fills_its_own_cache_once_before_its_other_ranks_read_it():
     turns = [preparation_turn(rank, rank % 4) for rank in range(8)]
     assert turns == [0, 2, 2, 2, 1, 2, 2, 2]
     assert preparation_turn(0, 0) == 0 and preparation_turn(1, 1) == 2  # one node
+
+
+_SLOW_PREPARER = """
+import datetime, json, os, sys, time
+import torch.distributed as dist
+from ds_diloco import island
+from ds_diloco.config import DataConfig, IslandConfig, ModelSource
+
+rank, cache, timeout_s, config = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
+# The process group's timeout, 30 min in an island, made 2 s: rank 0's turn takes longer.
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+real = island.prepare_corpus
+def slow(*args, **kwargs):
+    time.sleep(5)  # a large corpus: tokenising it outlasts the group's timeout
+    return real(*args, **kwargs)
+island.prepare_corpus = slow
+cfg = IslandConfig(island="a", coordinator_url="http://127.0.0.1:1", model=ModelSource(config=config),
+                   deepspeed_config="unused", data=DataConfig(path=sys.argv[5], vocab_size=300,
+                   seq_len=16, cache_dir=cache, prepare_timeout_s=timeout_s))
+t0 = time.monotonic()
+train, heldout = island.load_blocks(cfg, rank)
+print(json.dumps({"train": len(train), "heldout": len(heldout), "waited_s": time.monotonic() - t0}))
+"""
+
+
+def test_an_islands_ranks_wait_for_the_corpus_longer_than_their_process_groups_timeout(
+    tmp_path, tiny_config_path
+):
+    # Rank 0 tokenises while the others wait; their barrier on the island's process group
+    # ended after its timeout (30 min), so a large corpus stopped every multi-rank launch.
+    from ds_diloco.run import free_port
+
+    def launch(timeout_s: float, cache: Path):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _SLOW_PREPARER, str(rank), str(cache),
+                              str(timeout_s), tiny_config_path, str(SONNETS)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for rank in (0, 1)
+        ]  # fmt: skip
+        return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+    got = launch(60.0, tmp_path / "cache")
+    assert [rc for rc, _, _ in got] == [0, 0], [err[-2000:] for _, _, err in got]
+    rows = [json.loads(out.splitlines()[-1]) for _, out, _ in got]
+    assert rows[1]["waited_s"] > 4.5, rows  # it waited for rank 0, past the 2 s timeout
+    assert rows[0]["heldout"] == rows[1]["heldout"] > 0, rows  # both read the one cache
+    assert abs(rows[0]["train"] - rows[1]["train"]) <= 1, rows  # their halves of the blocks
+    # data.prepare_timeout_s is that wait's bound: 1 s is too short for rank 0's turn.
+    rc, _, err = launch(1.0, tmp_path / "cache2")[1]
+    assert rc != 0 and "Timed out" in err, err[-2000:]
