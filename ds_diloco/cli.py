@@ -111,6 +111,12 @@ def _simulate(args) -> int:
     return simulate_main(args)
 
 
+def _prepare_data(args) -> int:
+    from ds_diloco.prepare_data import main as prepare_main
+
+    return prepare_main(args)
+
+
 def _eval(args) -> int:
     from ds_diloco.global_eval import main as eval_main
 
@@ -182,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a stopped run: the coordinator from workdir/state, each island "
                    "from its last checkpoint (train.checkpoint_every)")  # fmt: skip
     r.set_defaults(fn=_run)
+
+    pd = sub.add_parser("prepare-data", help="tokenise a run's or an island's corpus into its "
+                        "cache before launching (its ranks then only map the file)")  # fmt: skip
+    pd.add_argument(
+        "--config", required=True, metavar="FILE", help="a YAML/JSON run or island file"
+    )
+    pd.set_defaults(fn=_prepare_data)
 
     ch = sub.add_parser("chaos", help="a whole local run under injected faults, with a report")
     ch.add_argument("file", help="YAML/JSON run file (see launch/chaos.yaml)")
