@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ds_diloco.config import load_data_config, load_file, load_island_config, load_run_config
+from ds_diloco.config import load_file, load_island_config, load_run_config
 from ds_diloco.data import check_shards, heldout_split, prepare_corpus, split_blocks
 
 
@@ -22,7 +22,7 @@ def prepare(path: str) -> list[str]:
     left without a block)."""
     is_run = "islands" in load_file(path)
     cfg = load_run_config(path) if is_run else load_island_config(path)
-    d = load_data_config(path)  # the same section, resolved the same way
+    d = cfg.data
     t0 = time.monotonic()
     tok, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
                                  tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
