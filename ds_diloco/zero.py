@@ -508,13 +508,13 @@ def barrier() -> None:
 def patient_barrier(timeout_s: float):
     """A barrier (called as ``wait()``) that waits up to ``timeout_s`` for the last rank:
     the default group's wait ends at its timeout (30 min), too soon for one rank's long
-    work, such as tokenising a large corpus. A gloo group of all the island's ranks (every
-    rank enters this together), torn down after."""
+    work, such as tokenising a large corpus. A group of all the island's ranks on the
+    island's own backend (every rank enters this together), torn down after: not a gloo
+    group beside NCCL, which needs an interface gloo can find, so that an island that
+    starts on NCCL alone still does."""
     import datetime
 
-    group = torch.distributed.new_group(
-        backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield lambda: torch.distributed.barrier(group=group)
     finally:
