@@ -279,13 +279,15 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
             step_rss_mb.append(rss_mb)
             step_anon_mb.append(anon_mb)
             record = None
-            if step % t.log_every == 0 or step == t.steps:
+            evaluate = t.eval_every and step % t.eval_every == 0
+            if step % t.log_every == 0 or step == t.steps or evaluate:  # a whole record each
                 record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
                           "tokens": tokens, "versions": learner.versions(), "applied": applied,
                           "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
-            if t.eval_every and step % t.eval_every == 0:
-                ev = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
-                record = {**(record or {"island": cfg.island, "step": step}), "heldout_loss": ev}
+            if evaluate:
+                record["heldout_loss"] = heldout_loss(
+                    engine, heldout, t.micro_batch, t.eval_batches
+                )
             if record and progress:
                 progress.write(json.dumps(record) + "\n")
                 progress.flush()

@@ -55,6 +55,8 @@ from ds_diloco.syncer import Diverged, Superseded
 PROGRESS_EVERY_S = 5.0
 QUIET_REPEAT_S = 60.0
 """An unchanged progress line is printed again only this often: alive, nothing new."""
+RATE_WINDOW_S = 60.0
+"""The progress line's tokens per second and time left are over this much of the past."""
 COORDINATOR_START_S = 120.0
 """Longest wait for a started coordinator to answer (loading a large pretrained model)."""
 ISLAND_CONNECT_S = COORDINATOR_START_S + 30.0
@@ -284,6 +286,7 @@ class LocalRun:
         self._launched_slots: dict[str, tuple[int, ...]] = {}
         self._upscale_from: dict[str, str] = {}  # its checkpoint when a slot came back
         self.rank_watch = RankWatch()
+        self.rates = IslandRates()  # the progress line's tokens per second and time left
         self.events: list[dict] = []
         self.island_urls: dict[str, str] = {}  # per island, another way to the coordinator
         self._t0 = time.monotonic()
@@ -668,13 +671,22 @@ class LocalRun:
         return out
 
     def progress_line(self, client: CoordinatorClient) -> str:
-        cells = []
+        cells, left = [], []
+        steps = {s.name: self.cfg.train_of(s).steps for s in self.cfg.islands}
         for name, r in sorted(self.island_records().items()):
             if r.get("done"):
                 cells.append(f"{name}: done ({r['steps']} steps)")
-            else:
-                loss = f"{r['loss']:.3f}" if "loss" in r else "-"  # none before the first step
-                cells.append(f"{name}: step {r['step']} loss {loss} tok {r.get('tokens', 0)}")
+                continue
+            loss = f"{r['loss']:.3f}" if "loss" in r else "-"  # none before the first step
+            step, tokens = r.get("step", 0), r.get("tokens", 0)
+            cell = f"{name}: step {step}/{steps[name]} loss {loss} tok {tokens}"
+            rate = self.rates.add(name, r.get("seconds"), step, tokens)
+            if rate is not None:
+                tok_s, step_s = rate
+                cell += f" ({tok_s:,.0f} tok/s)"
+                if step_s > 0:
+                    left.append((steps[name] - step) / step_s)
+            cells.append(cell)
         try:
             st = client.status()
             v, m = st["versions"], st["merges"]
@@ -683,7 +695,45 @@ class LocalRun:
             )
         except Exception as e:  # the coordinator may be restarting
             coord = f"coordinator unreachable ({type(e).__name__})"
-        return f"[{' | '.join(cells) or 'starting'}]  {coord}"
+        eta = f"  left ~{duration_text(max(left))}" if left else ""  # the slowest island's
+        return f"[{' | '.join(cells) or 'starting'}]  {coord}{eta}"
+
+
+class IslandRates:
+    """Each island's tokens and steps per second over the last ``window_s`` of its
+    training, from its progress records (``seconds``: since its launch's first step)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self._seen: dict[str, list[tuple[float, int, int]]] = {}  # (seconds, step, tokens)
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def add(self, name: str, seconds: float | None, step: int, tokens: int):
+        """Take a record's reading (``seconds`` None: a record without it, e.g. an
+        evaluation's); (tokens/s, steps/s) over the window, or None before two readings
+        of one launch. A relaunched island (its clock back at 0) starts over."""
+        seen = self._seen.setdefault(name, [])
+        if seconds is not None and (not seen or seconds != seen[-1][0]):
+            if seen and seconds < seen[-1][0]:
+                seen.clear()
+                self._last.pop(name, None)
+            seen.append((seconds, step, tokens))
+            while len(seen) > 2 and seconds - seen[1][0] >= self.window_s:  # keep one older
+                seen.pop(0)
+            (t0, step0, tok0), (t1, step1, tok1) = seen[0], seen[-1]
+            if t1 > t0:
+                self._last[name] = ((tok1 - tok0) / (t1 - t0), (step1 - step0) / (t1 - t0))
+        return self._last.get(name)
+
+
+def duration_text(seconds: float) -> str:
+    """45s, 3m05s, 2h10m."""
+    s = max(round(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class ProgressPrinter:

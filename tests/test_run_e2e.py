@@ -969,8 +969,67 @@ def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_co
     line = lr.progress_line(client)
     port.close()
     # No "loss nan" for an island that has not stepped yet.
-    assert line.startswith("[a: step 20000 loss 7.000 tok 20000 | b: step 0 loss - tok 0]"), line
-    assert "coordinator unreachable" in line
+    assert line.startswith("[a: step 20000/4 loss 7.000 tok 20000 | b: step 0/4 loss - tok 0]"), (
+        line
+    )
+    assert "coordinator unreachable" in line and "tok/s" not in line and "left" not in line
+
+
+def test_the_progress_line_gives_each_islands_tokens_per_second_and_the_time_left(
+    tmp_path, tiny_config_path
+):
+    islands = [
+        {"name": "a", "world_size": 1},
+        {"name": "b", "world_size": 1, "train": {"steps": 40}},
+    ]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=100)))
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
+    for name in ("a", "b"):
+        lr.island_dir(name).mkdir(parents=True)
+
+    def record(name, **r):  # a record of the island's loop; ``seconds`` since its launch's start
+        with (lr.island_dir(name) / "progress.jsonl").open("a") as f:
+            f.write(json.dumps({"island": name, "loss": 5.0, **r}) + "\n")
+
+    record("a", step=10, tokens=1000, seconds=10.0)
+    record("b", step=10, tokens=4000, seconds=5.0)
+    line = lr.progress_line(client)  # one reading each: no rate yet
+    assert "tok/s" not in line and "left" not in line, line
+    record("a", step=20, tokens=2000, seconds=20.0)  # 100 tok/s, a step a second
+    record("b", step=20, tokens=8000, seconds=10.0)  # 800 tok/s, 2 steps a second
+    record("b", step=20, tokens=8000, seconds=10.0, heldout_loss=4.0)  # the same step, evaluated
+    line = lr.progress_line(client)
+    assert "a: step 20/100 loss 5.000 tok 2000 (100 tok/s)" in line, line
+    assert "b: step 20/40 loss 5.000 tok 8000 (800 tok/s)" in line, line
+    assert line.endswith("  left ~1m20s"), line  # a's 80 steps at a step a second
+    # A relaunched island (its clock from 0 again) starts over: no rate from the old launch.
+    record("a", step=16, tokens=1600, seconds=2.0)
+    line = lr.progress_line(client)
+    assert "tok 1600 |" in line and "tok 1600 (" not in line, line
+    assert line.endswith("  left ~10s"), line  # b's 20 steps at 2 a second
+    record("a", step=26, tokens=2600, seconds=12.0)
+    assert "a: step 26/100 loss 5.000 tok 2600 (100 tok/s)" in lr.progress_line(client)
+    # Over the last minute only: a's rate doubles, the window forgets the slow start.
+    for t in range(22, 200, 10):
+        record(
+            "a",
+            step=26 + 20 * (t - 12) // 10,
+            tokens=(26 + 20 * (t - 12) // 10) * 100,
+            seconds=float(t),
+        )
+        lr.progress_line(client)
+    assert "(200 tok/s)" in lr.progress_line(client)
+    port.close()
+    assert [run_mod.duration_text(s) for s in (0.4, 59, 60, 3599, 3600, 7260)] == [
+        "0s",
+        "59s",
+        "1m00s",
+        "59m59s",
+        "1h00m",
+        "2h01m",
+    ]
 
 
 def test_an_unchanged_progress_line_is_printed_again_only_after_a_quiet_minute():
