@@ -298,6 +298,9 @@ class DataConfig:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
 
 
+CONVERT_TIMEOUT_S = 6 * 3600.0
+"""``train.convert_timeout_s``'s default."""
+
 LR_SCHEDULES = ("constant", "cosine")
 """``train.lr_schedule``: the inner learning rate after the warm-up."""
 
@@ -373,6 +376,11 @@ class TrainConfig:
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps, and at the last step, into the island's workdir; a restarted island resumes
     from it, a finished one resumed with more steps from its end (0: never)."""
+    convert_timeout_s: float = CONVERT_TIMEOUT_S
+    """An island relaunched with another number of ranks converts its checkpoint to
+    DeepSpeed's universal format (rank 0, the others waiting): given up after this long,
+    the island starts from the global model without its AdamW state. The process group's
+    timeout (30 min) ended the wait before, and every relaunch began the conversion again."""
     freeze: tuple[str, ...] = ()
     """Regexes (``re.search``) of parameter names the island does not train, e.g.
     ``[embed_tokens, 'layers\\.[0-3]\\.']`` to fine-tune with the embeddings and the first
@@ -412,6 +420,10 @@ class TrainConfig:
             )
         if not _finite(self.step_delay_s):
             raise ValueError(f"train.step_delay_s must be >= 0 and finite, got {self.step_delay_s}")
+        if not _finite(self.convert_timeout_s, 0, strict=True):
+            raise ValueError(
+                f"train.convert_timeout_s must be > 0 and finite, got {self.convert_timeout_s}"
+            )
         if self.seed < 0:
             raise ValueError(f"train.seed must be >= 0, got {self.seed}")
         if self.warmup_steps < 0 or self.eval_every < 0:

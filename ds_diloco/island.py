@@ -59,14 +59,14 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     the cache."""
     d = cfg.data
     turn = preparation_turn(rank, int(os.environ.get("LOCAL_RANK", rank)))
-    with zero.patient_barrier(d.prepare_timeout_s) as wait:  # as long as tokenising takes
+    with zero.patient_group(d.prepare_timeout_s) as group:  # as long as tokenising takes
         for phase in range(3):
             if phase == turn:
                 _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
                                            tokenizer=d.tokenizer, text_field=d.text_field,
                                            split=d.split)  # fmt: skip
             if phase < 2:
-                wait()
+                zero.barrier(group)
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)
@@ -211,7 +211,9 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     # its last checkpoint, then takes the current global fragments like any island.
     ckpt_dir = workdir / "checkpoints"
     start_step, tokens, batches = (
-        zero.load_checkpoint(engine, ckpt_dir) if t.checkpoint_every else (0, 0, 0)
+        zero.load_checkpoint(engine, ckpt_dir, t.convert_timeout_s)
+        if t.checkpoint_every
+        else (0, 0, 0)
     )
     modules_before = set(sys.modules)  # what the syncer imports shows below (bench island)
     if plain:

@@ -9,8 +9,8 @@
   gloo even in an NCCL island (:func:`agreement_group`).
 - :func:`gather_full_params`: whole tensors, for checks and small exports.
 - :func:`shutdown`, :func:`teardown_gloo`: the process group torn down before exit.
-- :func:`patient_barrier`: a wait on one rank's long work (tokenising the corpus) that
-  outlasts the process group's timeout.
+- :func:`patient_group`: waits on one rank's long work (tokenising the corpus,
+  converting a checkpoint) that outlast the process group's timeout.
 - :func:`rank_and_world`, :func:`all_reduce_sum`, :func:`optimizer_zero_stage`,
   :func:`check_deepspeed_config`: what the rest of the package asks of them, so that no
   other module imports either (``tests/test_boundaries.py``). This module imports
@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco import agreement
-from ds_diloco.config import ModelSource
+from ds_diloco.config import CONVERT_TIMEOUT_S, ModelSource
 from ds_diloco.merge import sq_norm
 from ds_diloco.sharding import shard_numel
 from ds_diloco.state_store import atomic_write
@@ -322,11 +323,14 @@ def latest_tag(directory: Path) -> str | None:
         return None
 
 
-def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
+def load_checkpoint(
+    engine, directory: Path, convert_timeout_s: float = CONVERT_TIMEOUT_S
+) -> tuple[int, int, int]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens,
     micro-batches read by each rank); (0, 0, 0) if none. Checkpoints from before gradient
     accumulation read one micro-batch per step. One written by another number of ranks is
-    loaded through DeepSpeed's universal format (:func:`_load_resized`)."""
+    loaded through DeepSpeed's universal format (:func:`_load_resized`; its conversion
+    given up after ``convert_timeout_s``)."""
     pointer, tag = directory / LATEST, latest_tag(directory)
     if tag is None:
         return 0, 0, 0
@@ -337,7 +341,7 @@ def load_checkpoint(engine, directory: Path) -> tuple[int, int, int]:
         )
     written_by = checkpoint_world_size(directory / tag)
     if written_by is not None and written_by != engine.dp_world_size:
-        return _load_resized(engine, directory, tag, written_by)
+        return _load_resized(engine, directory, tag, written_by, convert_timeout_s)
     path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
         raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
@@ -352,7 +356,9 @@ def _resume_point(client_state: dict, read_by: int = 1, now: int = 1) -> tuple[i
     return step, int(client_state["tokens"]), batches
 
 
-def _load_resized(engine, directory: Path, tag: str, written_by: int) -> tuple[int, int, int]:
+def _load_resized(
+    engine, directory: Path, tag: str, written_by: int, convert_timeout_s: float
+) -> tuple[int, int, int]:
     """An island resized between launches (a node lost, or added back) resumes its AdamW
     state, schedule and place in its data like any restart. DeepSpeed refuses a ZeRO
     checkpoint written by another number of ranks; rank 0 converts it to the universal
@@ -363,19 +369,10 @@ def _load_resized(engine, directory: Path, tag: str, written_by: int) -> tuple[i
     fails or a rank cannot see its output, the island starts from the global model as
     one without a checkpoint, and says why."""
     world = engine.dp_world_size
-    rank = torch.distributed.get_rank()
     converted = directory / UNIVERSAL / tag
-    problem = _convert_to_universal(directory / tag, converted) if rank == 0 else None
-    problem = _all_gather_object(problem)[0]  # every rank waits for the conversion here
-    if problem is None:
-        there = _all_gather_object(converted.is_dir())
-        problem = next(
-            (f"rank {r} does not see {converted} (checkpoints must be on a filesystem every "
-             "rank of the island sees)" for r, seen in enumerate(there) if not seen),
-            None,
-        )  # fmt: skip
+    problem = converted_everywhere(directory / tag, converted, convert_timeout_s)
     if problem is not None:
-        if rank == 0:
+        if torch.distributed.get_rank() == 0:
             log.warning(
                 "checkpoint %s was written with world size %d, this island has world size %d, "
                 "and %s: starting from the global model; its AdamW state is not carried over",
@@ -389,7 +386,7 @@ def _load_resized(engine, directory: Path, tag: str, written_by: int) -> tuple[i
         engine._config.load_universal_checkpoint = False
     if path is None:
         raise RuntimeError(f"could not load the universal checkpoint {converted}")
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         log.info(
             "checkpoint %s was written with world size %d, this island has world size %d: "
             "loaded from its universal form %s (AdamW state, schedule and data position "
@@ -398,10 +395,31 @@ def _load_resized(engine, directory: Path, tag: str, written_by: int) -> tuple[i
     return _resume_point(client_state, written_by, world)
 
 
-def _convert_to_universal(source: Path, target: Path) -> str | None:
+def converted_everywhere(source: Path, target: Path, timeout_s: float) -> str | None:
+    """Rank 0 converts ``source`` into ``target`` (:func:`_convert_to_universal`) while
+    the others wait, as long as it takes up to ``timeout_s`` (a large model's checkpoint
+    is read and written whole: the process group's 30 min ended the wait, the island was
+    restarted and the conversion began again, for ever); then every rank checks that it
+    sees ``target``. None, or what went wrong (the same on every rank)."""
+    rank = torch.distributed.get_rank()
+    with patient_group(timeout_s + 60) as group:  # rank 0 gives up at timeout_s itself
+        problem = _convert_to_universal(source, target, timeout_s) if rank == 0 else None
+        problem = _all_gather_object(problem, group)[0]
+    if problem is None:
+        there = _all_gather_object(target.is_dir())
+        problem = next(
+            (f"rank {r} does not see {target} (checkpoints must be on a filesystem every "
+             "rank of the island sees)" for r, seen in enumerate(there) if not seen),
+            None,
+        )  # fmt: skip
+    return problem
+
+
+def _convert_to_universal(source: Path, target: Path, timeout_s: float) -> str | None:
     """DeepSpeed's ``ds_to_universal`` of the checkpoint folder ``source`` into ``target``,
-    in a process of its own (it runs worker pools); ``target`` is complete or absent. None,
-    or what went wrong. A folder an earlier launch converted is used as it is."""
+    in a process of its own (it runs worker pools), given up after ``timeout_s``;
+    ``target`` is complete or absent. None, or what went wrong. A folder an earlier
+    launch converted is used as it is."""
     if target.is_dir():
         return None
     tmp = target.with_name(f".{target.name}.partial")
@@ -409,10 +427,21 @@ def _convert_to_universal(source: Path, target: Path) -> str | None:
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
            "--input_folder", str(source), "--output_folder", str(tmp)]  # fmt: skip
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # A session of its own: given up, it is killed with the worker pools it started.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as done:  # fmt: skip
+        try:
+            out, err = done.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(done.pid, signal.SIGKILL)
+            done.communicate()
+            shutil.rmtree(tmp, ignore_errors=True)
+            return (f"its conversion to DeepSpeed's universal format took over {timeout_s:g} s "
+                    "(train.convert_timeout_s)")  # fmt: skip
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        last = (err.strip() or out.strip() or "no output").splitlines()[-1]
         return f"its conversion to DeepSpeed's universal format failed (exit {done.returncode}: {last})"
     os.replace(tmp, target)
     log.info(
@@ -480,10 +509,10 @@ def destroy_group(group) -> None:
         torch.distributed.destroy_process_group(group)
 
 
-def _all_gather_object(obj) -> list:
+def _all_gather_object(obj, group=None) -> list:
     """Every rank's ``obj``, by rank (pickled through the island's process group)."""
     out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -500,23 +529,23 @@ def model_finite(engine) -> bool:
     return min(row[0] for row in island_gather([int(ok)])) == 1
 
 
-def barrier() -> None:
-    torch.distributed.barrier()
+def barrier(group=None) -> None:
+    torch.distributed.barrier(group=group)
 
 
 @contextlib.contextmanager
-def patient_barrier(timeout_s: float):
-    """A barrier (called as ``wait()``) that waits up to ``timeout_s`` for the last rank:
-    the default group's wait ends at its timeout (30 min), too soon for one rank's long
-    work, such as tokenising a large corpus. A group of all the island's ranks on the
-    island's own backend (every rank enters this together), torn down after: not a gloo
-    group beside NCCL, which needs an interface gloo can find, so that an island that
-    starts on NCCL alone still does."""
+def patient_group(timeout_s: float):
+    """A group of all the island's ranks whose collectives wait up to ``timeout_s`` for
+    the last rank: the default group's end at its timeout (30 min), too soon for one
+    rank's long work while the others wait (tokenising a large corpus, converting a large
+    checkpoint). On the island's own backend, not a gloo group beside NCCL (which needs an
+    interface gloo can find), so that an island that starts on NCCL alone still does.
+    Every rank enters this together; torn down after."""
     import datetime
 
     group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        yield lambda: torch.distributed.barrier(group=group)
+        yield group
     finally:
         torch.distributed.destroy_process_group(group)
 

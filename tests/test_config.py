@@ -397,6 +397,7 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"train.min_lr": NAN}, r"train.min_lr must be in \[0, train.lr = 0.001\], got nan"),
         ({"data.seed": -1}, r"data.seed must be >= 0, got -1"),
         ({"data.prepare_timeout_s": 0}, r"data.prepare_timeout_s must be > 0, got 0"),
+        ({"train.convert_timeout_s": 0}, r"train.convert_timeout_s must be > 0 and finite, got 0"),
         ({"restart_backoff_s": NAN}, r"restart_backoff_s must be >= 0 \(and finite\), got 5 and nan"),
         ({"coordinator_hang_s": -1}, r"coordinator_hang_s must be >= 0 \(0: never\) and finite, got -1"),
         ({"downscale_after": -1}, r"downscale_after and slot_quarantine_s must be >= 0 \(and finite\), got -1 and 1800.0"),

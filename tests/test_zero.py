@@ -459,8 +459,57 @@ def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(isl
     shutil.copytree(Path(island.spec["resize_dir"]) / "step3", source)
     (source / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
     target = tmp_path / zero.UNIVERSAL / "step3"
-    problem = zero._convert_to_universal(source, target)
+    problem = zero._convert_to_universal(source, target, 600.0)
     assert problem is not None and problem.startswith(
         "its conversion to DeepSpeed's universal format failed (exit 1: "
     ), problem
     assert not target.exists() and list(target.parent.iterdir()) == []
+    # One that takes longer than train.convert_timeout_s is given up, killed, nothing left
+    # (its imports alone take longer than 0.5 s).
+    shutil.copytree(Path(island.spec["resize_dir"]) / "step3", source, dirs_exist_ok=True)
+    t0 = time.monotonic()
+    problem = zero._convert_to_universal(source, target, 0.5)
+    assert problem == (
+        "its conversion to DeepSpeed's universal format took over 0.5 s (train.convert_timeout_s)"
+    ), problem
+    assert time.monotonic() - t0 < 30 and list(target.parent.iterdir()) == []
+
+
+_SLOW_CONVERTER = """
+import datetime, json, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from ds_diloco import zero
+
+rank, folder = int(sys.argv[1]), Path(sys.argv[2])
+# The process group's timeout, 30 min in an island, made 2 s: rank 0's conversion takes longer.
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+real = zero._convert_to_universal
+def slow(*args):
+    time.sleep(5)  # a large model's checkpoint, read and written whole
+    return real(*args)
+zero._convert_to_universal = slow
+t0 = time.monotonic()
+problem = zero.converted_everywhere(folder / "step3", folder / "universal" / "step3", 600.0)
+print(json.dumps({"problem": problem, "waited_s": time.monotonic() - t0}))
+"""
+
+
+def test_the_other_ranks_wait_for_a_conversion_longer_than_their_process_groups_timeout(tmp_path):
+    # Rank 0 converts a resized island's checkpoint while the others wait. They waited in a
+    # gather on the process group, which ended at its timeout (30 min): the island was
+    # relaunched and the conversion began again, on every relaunch. Here the checkpoint is
+    # not one (rank 0's conversion fails after the wait): every rank gets its reason.
+    (tmp_path / "step3").mkdir()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SLOW_CONVERTER, str(rank), str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(2)
+    ]  # fmt: skip
+    got = [(p.wait(timeout=TIMEOUT_S), *p.communicate()) for p in procs]
+    assert [rc for rc, _, _ in got] == [0, 0], [err[-2000:] for _, _, err in got]
+    rows = [json.loads(out.splitlines()[-1]) for _, out, _ in got]
+    assert rows[1]["waited_s"] > 4.5, rows  # past the 2 s timeout
+    assert rows[0]["problem"] == rows[1]["problem"], rows
+    assert rows[0]["problem"].startswith("its conversion to DeepSpeed's universal format failed")
