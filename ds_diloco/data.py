@@ -319,14 +319,28 @@ def _encoded(records: datasets.Dataset | TextBatches, tokenizer) -> Iterator[np.
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("pack: the tokenizer has no eos token")
+    encode = _ids_of(tokenizer)
     for batch in _batches(records):
         texts = [t for t in batch if t and t.strip()]
         if texts:
             flat: list[int] = []
-            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            for ids in encode(texts):
                 flat += ids
                 flat.append(eos)
             yield np.array(flat, np.int64)
+
+
+def _ids_of(tokenizer):
+    """texts -> their token ids, without special tokens. A fast tokenizer's Rust backend
+    is asked directly, for the ids alone: the same ids as the tokenizer's own call, which
+    also builds offsets, masks and a BatchEncoding (:func:`write_tokens` of the Shakespeare
+    corpus, 1.6M tokens: 1.3-1.6 s against 1.8-2.7 s on 2 cores, the same file; a large
+    corpus is tokenised for hours)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
+    fast = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+    if fast is None:
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
 def pack(dataset: datasets.Dataset, tokenizer, seq_len: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ds_diloco import data
 from ds_diloco.convert import SMOLLM2_INSTALL, gguf_to_hf, smollm2_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -69,6 +70,9 @@ def test_tokenizer_and_generation_config_come_along(converted):
 
     gen = json.loads((converted / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id
+    # The corpus is tokenised through the Rust backend for the ids alone: the same ids.
+    texts = [*TEXT, " leading space", "tabs\tand\r\nnewlines", "日本語のテキスト 🚀"]
+    assert data._ids_of(tok)(texts) == tok(texts, add_special_tokens=False)["input_ids"]
 
 
 def test_errors(tmp_path):

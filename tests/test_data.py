@@ -262,6 +262,20 @@ def test_pack_shape_shift_and_eos(tokenizer, blocks):
         data.pack(ds.select(range(2)), tokenizer, seq_len=512)
 
 
+def test_a_slow_tokenizer_is_called_as_it_is(tokenizer):
+    # Fast ones are asked through their Rust backend (data._ids_of); a tokenizer without
+    # one (a slow, Python one) through its own call, which gives the same ids.
+    class Slow:
+        is_fast = False
+
+        def __call__(self, texts, add_special_tokens):
+            return tokenizer(texts, add_special_tokens=add_special_tokens)
+
+    texts = ["Shall I compare thee", "", "to a summer's day?"]
+    expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert data._ids_of(Slow())(texts) == data._ids_of(tokenizer)(texts) == expected
+
+
 def test_split_blocks_partitions_twice(blocks):
     n = len(blocks)
     tagged = torch.arange(n)  # split row numbers: the same code path, easy to compare
