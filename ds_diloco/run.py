@@ -711,10 +711,10 @@ class IslandRates:
     def add(self, name: str, seconds: float | None, step: int, tokens: int):
         """Take a record's reading (``seconds`` None: a record without it, e.g. an
         evaluation's); (tokens/s, steps/s) over the window, or None before two readings
-        of one launch. A relaunched island (its clock back at 0) starts over."""
+        of one launch. A relaunched island (its clock or its step back) starts over."""
         seen = self._seen.setdefault(name, [])
         if seconds is not None and (not seen or seconds != seen[-1][0]):
-            if seen and seconds < seen[-1][0]:
+            if seen and (seconds < seen[-1][0] or step < seen[-1][1]):
                 seen.clear()
                 self._last.pop(name, None)
             seen.append((seconds, step, tokens))

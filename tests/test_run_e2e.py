@@ -1011,6 +1011,10 @@ def test_the_progress_line_gives_each_islands_tokens_per_second_and_the_time_lef
     assert line.endswith("  left ~10s"), line  # b's 20 steps at 2 a second
     record("a", step=26, tokens=2600, seconds=12.0)
     assert "a: step 26/100 loss 5.000 tok 2600 (100 tok/s)" in lr.progress_line(client)
+    # A launch that died within seconds: the next one's clock can be past its last reading,
+    # but its step is back (it resumed an earlier checkpoint).
+    record("b", step=14, tokens=5600, seconds=12.0)
+    assert "b: step 14/40 loss 5.000 tok 5600]" in lr.progress_line(client)  # no rate yet
     # Over the last minute only: a's rate doubles, the window forgets the slow start.
     for t in range(22, 200, 10):
         record(
