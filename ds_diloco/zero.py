@@ -28,7 +28,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -427,14 +426,13 @@ def _convert_to_universal(source: Path, target: Path, timeout_s: float) -> str |
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
            "--input_folder", str(source), "--output_folder", str(tmp)]  # fmt: skip
     t0 = time.perf_counter()
-    # A session of its own: given up, it is killed with the worker pools it started.
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as done:  # fmt: skip
+    # In the rank's process group, so that whatever stops the island stops it too.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as done:  # fmt: skip
         try:
             out, err = done.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(done.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:  # given up: it goes with the worker pools it started
+            _kill_tree(done.pid)
             done.communicate()
             shutil.rmtree(tmp, ignore_errors=True)
             return (f"its conversion to DeepSpeed's universal format took over {timeout_s:g} s "
@@ -448,6 +446,17 @@ def _convert_to_universal(source: Path, target: Path, timeout_s: float) -> str |
         "converted checkpoint %s to universal format in %.1f s", source, time.perf_counter() - t0
     )
     return None
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process it started."""
+    import psutil  # DeepSpeed's dependency too
+
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for p in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 AGREEMENT_ENV = "DS_DILOCO_GLOO_AGREEMENT"

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -473,6 +474,9 @@ def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(isl
         "its conversion to DeepSpeed's universal format took over 0.5 s (train.convert_timeout_s)"
     ), problem
     assert time.monotonic() - t0 < 30 and list(target.parent.iterdir()) == []
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(source) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert left == [], left  # it and any worker it started are gone
 
 
 _SLOW_CONVERTER = """
