@@ -282,8 +282,10 @@ class DataConfig:
     the cache ahead of a launch."""
 
     def __post_init__(self):
-        if not self.prepare_timeout_s > 0:
-            raise ValueError(f"data.prepare_timeout_s must be > 0, got {self.prepare_timeout_s}")
+        if not _finite(self.prepare_timeout_s, 0, strict=True):
+            raise ValueError(
+                f"data.prepare_timeout_s must be > 0 and finite, got {self.prepare_timeout_s}"
+            )
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if not 0 < self.heldout_fraction < 1:
