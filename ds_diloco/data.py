@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +41,10 @@ from ds_diloco.state_store import atomic_write
 if TYPE_CHECKING:  # imported where used: a rank whose blocks are cached never needs it (1.4 s)
     import datasets
 
+log = logging.getLogger(__name__)
+
+REPORT_EVERY_S = 60.0
+"""How often tokenising a corpus logs how far it is."""
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Ids 0, 1, 2 in this order, as model_configs/tiny-llama.json expects."""
 FINGERPRINT_FILE = "corpus_fingerprint.json"
@@ -371,19 +377,24 @@ def token_dtype(tokenizer) -> np.dtype:
 
 
 def write_tokens(
-    records: datasets.Dataset | TextBatches, tokenizer, path: str | os.PathLike
+    records: datasets.Dataset | TextBatches,
+    tokenizer,
+    path: str | os.PathLike,
+    report_every_s: float = REPORT_EVERY_S,
 ) -> int:
     """Stream the corpus's token ids (records ended with eos) to ``path`` as
     :func:`token_dtype` values, one batch of records at a time (``records``: a dataset, or
     :func:`text_batches`): memory stays one batch however large the corpus. Written to a
-    temporary file, then renamed into place (ranks may call it at once). Returns the
-    number of tokens."""
+    temporary file, then renamed into place (ranks may call it at once). Logs the tokens
+    so far and their rate every ``report_every_s`` (a large corpus takes hours). Returns
+    the number of tokens."""
     path = Path(path)
     dtype = token_dtype(tokenizer)
     top = np.iinfo(dtype).max
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     count = 0
+    t0 = reported = time.monotonic()
     try:
         with os.fdopen(fd, "wb") as f:
             for ids in _encoded(records, tokenizer):
@@ -394,6 +405,11 @@ def write_tokens(
                     )
                 f.write(ids.astype(dtype).tobytes())
                 count += len(ids)
+                now = time.monotonic()
+                if now - reported >= report_every_s:
+                    reported = now
+                    log.info("tokenising into %s: %s tokens so far, %s tokens/s", path.name,
+                             f"{count:,}", f"{count / max(now - t0, 1e-9):,.0f}")  # fmt: skip
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -401,6 +417,7 @@ def write_tokens(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    log.info("tokenised %s tokens into %s in %.1f s", f"{count:,}", path, time.monotonic() - t0)
     return count
 
 

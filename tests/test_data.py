@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -466,6 +468,23 @@ def test_pack_and_prepare_corpus_refuse_a_corpus_without_text(tmp_path, tokenize
     (corpus / "blank.txt").write_text("\n\n  \n")
     with pytest.raises(ValueError, match="0 tokens do not fill one block"):
         data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
+
+
+def test_tokenising_says_how_far_it_is(tmp_path, tokenizer, caplog):
+    # A large corpus is tokenised for hours, while the island's other ranks wait on it.
+    paragraphs = data.load_text_dataset(str(SONNETS))["text"]
+    batches = [paragraphs[i : i + 8] for i in range(0, len(paragraphs), 8)]
+    with caplog.at_level(logging.INFO, logger="ds_diloco.data"):
+        n = data.write_tokens(iter(batches), tokenizer, tmp_path / "t.uint16", report_every_s=0)
+    lines = [r.getMessage() for r in caplog.records]
+    counts = [int(m.group(1).replace(",", "")) for line in lines
+              if (m := re.search(r"tokenising into t\.uint16: ([\d,]+) tokens so far, [\d,]+ tokens/s", line))]  # fmt: skip
+    assert len(counts) == len(batches) and counts == sorted(counts) and counts[-1] == n, lines
+    assert re.search(rf"tokenised {n:,} tokens into \S+t\.uint16 in [\d.]+ s", lines[-1]), lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_diloco.data"):  # every minute by default
+        data.write_tokens(iter(batches), tokenizer, tmp_path / "u.uint16")
+    assert not any("so far" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_prepared_blocks_are_the_packed_ones_memory_mapped_and_shared_by_views(tmp_path):
