@@ -706,7 +706,6 @@ class IslandRates:
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self.window_s = window_s
         self._seen: dict[str, list[tuple[float, int, int]]] = {}  # (seconds, step, tokens)
-        self._last: dict[str, tuple[float, float]] = {}
 
     def add(self, name: str, seconds: float | None, step: int, tokens: int):
         """Take a record's reading (``seconds`` None: a record without it, e.g. an
@@ -716,14 +715,13 @@ class IslandRates:
         if seconds is not None and (not seen or seconds != seen[-1][0]):
             if seen and (seconds < seen[-1][0] or step < seen[-1][1]):
                 seen.clear()
-                self._last.pop(name, None)
             seen.append((seconds, step, tokens))
             while len(seen) > 2 and seconds - seen[1][0] >= self.window_s:  # keep one older
                 seen.pop(0)
-            (t0, step0, tok0), (t1, step1, tok1) = seen[0], seen[-1]
-            if t1 > t0:
-                self._last[name] = ((tok1 - tok0) / (t1 - t0), (step1 - step0) / (t1 - t0))
-        return self._last.get(name)
+        if len(seen) < 2:
+            return None
+        (t0, step0, tok0), (t1, step1, tok1) = seen[0], seen[-1]  # t1 > t0: kept in order
+        return (tok1 - tok0) / (t1 - t0), (step1 - step0) / (t1 - t0)
 
 
 def duration_text(seconds: float) -> str:
