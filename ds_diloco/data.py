@@ -41,6 +41,8 @@ from ds_diloco.state_store import atomic_write
 if TYPE_CHECKING:  # imported where used: a rank whose blocks are cached never needs it (1.4 s)
     import datasets
 
+    from ds_diloco.config import DataConfig
+
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 60.0
@@ -684,6 +686,12 @@ def prepare_corpus(
     if not path.is_file():
         write_tokens(text_batches(source, text_field=text_field, split=split), tok, path)
     return tok, read_blocks(path, seq_len, dtype)
+
+
+def prepare_section(d: DataConfig):
+    """:func:`prepare_corpus` of a run's or an island's ``data`` section: (tokenizer, blocks)."""
+    return prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
+                          tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
 
 
 def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:

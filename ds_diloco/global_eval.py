@@ -26,12 +26,11 @@ HELDOUT_BLOCKS = 64
 def heldout_blocks(d: DataConfig, count: int = HELDOUT_BLOCKS) -> torch.Tensor:
     """The first ``count`` held-out blocks of the corpus ``d`` describes, (N, seq_len + 1)
     token ids (the corpus is tokenised and cached on first use, as an island does)."""
-    from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
+    from ds_diloco.data import as_tensor, heldout_split, prepare_section
 
     if count < 1:
         raise ValueError(f"held-out blocks: need at least 1, got {count}")
-    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                               tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
+    _, blocks = prepare_section(d)
     _, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     return as_tensor(heldout[:count])
 

@@ -32,7 +32,7 @@ from ds_diloco.data import (
     Blocks,
     eval_blocks,
     heldout_split,
-    prepare_corpus,
+    prepare_section,
     split_blocks,
 )
 from ds_diloco.hf_model import lm_loss
@@ -62,9 +62,7 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     with zero.patient_group(d.prepare_timeout_s) as group:  # as long as tokenising takes
         for phase in range(3):
             if phase == turn:
-                _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                                           tokenizer=d.tokenizer, text_field=d.text_field,
-                                           split=d.split)  # fmt: skip
+                _, blocks = prepare_section(d)
             if phase < 2:
                 zero.barrier(group)
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)

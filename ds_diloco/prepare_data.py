@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ds_diloco.config import load_file, load_island_config, load_run_config
-from ds_diloco.data import check_shards, heldout_split, prepare_corpus, split_blocks
+from ds_diloco.data import check_shards, heldout_split, prepare_section, split_blocks
 
 
 def prepare(path: str) -> list[str]:
@@ -24,8 +24,7 @@ def prepare(path: str) -> list[str]:
     cfg = load_run_config(path) if is_run else load_island_config(path)
     d = cfg.data
     t0 = time.monotonic()
-    tok, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                                 tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
+    tok, blocks = prepare_section(d)
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     lines = [
         f"{d.path}: {len(blocks)} blocks of {d.seq_len} tokens ({len(train)} to train on, "

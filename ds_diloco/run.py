@@ -1158,7 +1158,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         check_shards,
         check_source,
         heldout_split,
-        prepare_corpus,
+        prepare_section,
         tokenizer_dir,
     )  # fmt: skip
     from ds_diloco.export import check_out_folder, export
@@ -1180,8 +1180,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         try:
             lr.spawn_coordinator()  # it starts up while the data is prepared
             print(f"preparing data from {d.path} ...", flush=True)
-            _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                                       tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
+            _, blocks = prepare_section(d)
             train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             check_islands_inputs(cfg)

@@ -569,17 +569,17 @@ def test_each_node_fills_its_own_cache_once_before_its_other_ranks_read_it():
 _SLOW_PREPARER = """
 import datetime, json, os, sys, time
 import torch.distributed as dist
-from ds_diloco import island
+from ds_diloco import data, island
 from ds_diloco.config import DataConfig, IslandConfig, ModelSource
 
 rank, cache, timeout_s, config = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
 # The process group's timeout, 30 min in an island, made 2 s: rank 0's turn takes longer.
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
-real = island.prepare_corpus
+real = data.prepare_corpus  # what island.load_blocks calls, through data.prepare_section
 def slow(*args, **kwargs):
     time.sleep(5)  # a large corpus: tokenising it outlasts the group's timeout
     return real(*args, **kwargs)
-island.prepare_corpus = slow
+data.prepare_corpus = slow
 cfg = IslandConfig(island="a", coordinator_url="http://127.0.0.1:1", model=ModelSource(config=config),
                    deepspeed_config="unused", data=DataConfig(path=sys.argv[5], vocab_size=300,
                    seq_len=16, cache_dir=cache, prepare_timeout_s=timeout_s))

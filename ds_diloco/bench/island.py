@@ -736,13 +736,9 @@ def run_bench(
 
 
 def _prepare_data(cfg: RunConfig) -> None:
-    from ds_diloco.data import prepare_corpus
+    from ds_diloco.data import prepare_section
 
-    d = cfg.data
-    prepare_corpus(
-        d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-        text_field=d.text_field, split=d.split,
-    )  # fmt: skip
+    prepare_section(cfg.data)
 
 
 # -------------------------------------------------------------------- report

@@ -429,12 +429,11 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
 
 def run_chaos(cfg: RunConfig, schedule: Schedule, workdir: Path, *, reference: bool = True,
               baseline: bool = True) -> dict:  # fmt: skip
-    from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
+    from ds_diloco.data import as_tensor, heldout_split, prepare_section
 
     schedule.check_targets({s.name: s.world_size for s in cfg.islands})
     d = cfg.data
-    _, blocks = prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
-                               text_field=d.text_field, split=d.split)  # fmt: skip
+    _, blocks = prepare_section(d)
     heldout = as_tensor(heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:64])
     report: dict = {"schedule": schedule.to_dict()}
     report["chaos"] = run_diloco(cfg, schedule, workdir / "chaos", heldout)
