@@ -35,7 +35,7 @@ def prepare(path: str) -> list[str]:
         sizes = {s.name: s.world_size for s in cfg.islands}
         check_shards(len(train), sizes)
         for i, (name, world) in enumerate(sizes.items()):
-            mine = len(range(i, len(train), len(sizes)))
+            mine = len(split_blocks(train, len(sizes), i))  # the island's own split, a view
             each = "its rank" if world == 1 else f"each of its {world} ranks"
             lines.append(f"  {name}: {mine} blocks, {mine // world} or more for {each}")
     else:  # the island file does not say its world size: the launcher does
