@@ -191,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.compression}",
         flush=True,
     )
-    from ds_diloco.data import prepare_corpus
+    from ds_diloco.data import prepare_section
 
-    d = cfg.data  # tokenizer and blocks once, before the islands (which would race for them)
-    prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len)
+    # The tokenizer and blocks once, before the islands (which would race for them).
+    prepare_section(cfg.data)
     out = {}
     for mode in MODES:
         t0 = time.monotonic()
