@@ -9,6 +9,7 @@ last rank's ZeRO-3 partition of those carries a padding element.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -477,6 +478,48 @@ def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(isl
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if str(source) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
     assert left == [], left  # it and any worker it started are gone
+
+
+_TREE = """
+import subprocess, sys, time
+depth = int(sys.argv[1])
+if depth:  # two children, each with a tree of its own below
+    kids = [subprocess.Popen([sys.executable, "-c", sys.argv[2], str(depth - 1), sys.argv[2]])
+            for _ in range(2)]
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_conversion_given_up_is_killed_with_every_process_it_started():
+    # ds_to_universal runs worker pools: given up (train.convert_timeout_s), the conversion's
+    # process and all its descendants go, or the pools would go on writing the folder.
+    root = subprocess.Popen([sys.executable, "-c", _TREE, "2", _TREE], stdout=subprocess.PIPE)
+    proc = psutil.Process(root.pid)
+    deadline = time.monotonic() + 60
+    while len(proc.children(recursive=True)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tree = [proc, *proc.children(recursive=True)]
+
+    def alive(p):
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    try:
+        assert len(tree) == 7, tree  # the root, 2 children, 4 grandchildren
+        zero._kill_tree(root.pid)
+        root.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(map(alive, tree)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p.pid for p in tree if alive(p)] == []
+    finally:  # none left running if it failed
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        root.wait(timeout=30)
 
 
 _SLOW_CONVERTER = """
