@@ -374,6 +374,16 @@ class TrainConfig:
     final flush has bounded waits of its own): it must cover one inner step and the
     ``eval_every`` evaluation after it. Far below the process group's timeout (30 min),
     after which a collective would fail. 0: never."""
+    startup_stall_s: float = 3600.0
+    """The same watch over a rank's start-up, before its first step: a rank that spends
+    longer than this in one phase (joining the process group, building or loading the
+    model, loading its checkpoint, reaching the coordinator and taking the global model,
+    the first held-out loss, waiting for the run's other islands) writes its stacks and
+    exits. The process group's timeout (30 min) catches a rank whose peers wait for it in
+    a collective, but nothing caught a one-rank island, or every rank of one, stuck on a
+    dead disk. The corpus wait and a checkpoint's conversion have bounds of their own
+    (``data.prepare_timeout_s``, ``convert_timeout_s``). It must cover the longest phase
+    (a large model read from a slow filesystem, the global model downloaded). 0: never."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint (inner optimizer state, step, data position) every this
     many steps, and at the last step, into the island's workdir; a restarted island resumes
@@ -419,6 +429,10 @@ class TrainConfig:
         if not _finite(self.stall_exit_s):
             raise ValueError(
                 f"train.stall_exit_s must be >= 0 (0: never) and finite, got {self.stall_exit_s}"
+            )
+        if not _finite(self.startup_stall_s):
+            raise ValueError(
+                f"train.startup_stall_s must be >= 0 (0: never) and finite, got {self.startup_stall_s}"
             )
         if not _finite(self.step_delay_s):
             raise ValueError(f"train.step_delay_s must be >= 0 and finite, got {self.step_delay_s}")

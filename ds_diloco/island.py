@@ -196,35 +196,48 @@ def _resident_mb() -> tuple[float | None, float | None]:
 
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
-    rank, world = zero.init_distributed()
-    workdir = Path(cfg.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    train_blocks, heldout = load_blocks(cfg, rank)
-    t = cfg.train
-    scheduled = t.warmup_steps or t.lr_schedule != "constant"
-    lr_lambda = functools.partial(lr_multiplier, t) if scheduled else None
-    ds_config = deepspeed_config(cfg, world, warn=rank == 0)
-    engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, lr_lambda, t.freeze)
-    # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
-    # its last checkpoint, then takes the current global fragments like any island.
-    ckpt_dir = workdir / "checkpoints"
-    start_step, tokens, batches = (
-        zero.load_checkpoint(engine, ckpt_dir, t.convert_timeout_s)
-        if t.checkpoint_every
-        else (0, 0, 0)
-    )
-    modules_before = set(sys.modules)  # what the syncer imports shows below (bench island)
-    if plain:
-        learner = _NoSync()
-    else:  # joins the run: registers, checks the model, takes the global fragments
-        learner = Learner(
-            engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
-            alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
-            connect_timeout_s=cfg.connect_timeout_s, ca_file=cfg.coordinator_ca,
-        )  # fmt: skip
-    start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
-    # Step 1 with the run's other islands; a restarted one joins the running rounds in phase.
-    waited_s = 0.0 if plain else learner.start_together(cfg.start_together, cfg.start_timeout_s)
+    # A rank stuck in one phase of its start-up exits, its stacks in the log: nothing else
+    # stops a one-rank island, or every rank of one, held by a dead disk.
+    with StallExit(cfg.train.startup_stall_s) as startup:
+        rank, world = zero.init_distributed()
+        startup.beat()
+        if startup.armed and rank == 0:  # what a "Timeout (...)!" before the first step means
+            log.info("island %s: a rank that spends over %g s in one phase of its start-up "
+                     "(train.startup_stall_s) writes its stacks here and exits",
+                     cfg.island, cfg.train.startup_stall_s)  # fmt: skip
+        workdir = Path(cfg.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        train_blocks, heldout = load_blocks(cfg, rank)  # unwatched: data.prepare_timeout_s
+        startup.beat()
+        t = cfg.train
+        scheduled = t.warmup_steps or t.lr_schedule != "constant"
+        lr_lambda = functools.partial(lr_multiplier, t) if scheduled else None
+        ds_config = deepspeed_config(cfg, world, warn=rank == 0)
+        engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, lr_lambda, t.freeze)
+        startup.beat()
+        # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
+        # its last checkpoint, then takes the current global fragments like any island.
+        ckpt_dir = workdir / "checkpoints"
+        start_step, tokens, batches = (
+            zero.load_checkpoint(engine, ckpt_dir, t.convert_timeout_s)
+            if t.checkpoint_every
+            else (0, 0, 0)
+        )  # a conversion is unwatched: train.convert_timeout_s
+        startup.beat()
+        modules_before = set(sys.modules)  # what the syncer imports shows below (bench island)
+        if plain:
+            learner = _NoSync()
+        else:  # joins the run: registers, checks the model, takes the global fragments
+            learner = Learner(
+                engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
+                alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
+                connect_timeout_s=cfg.connect_timeout_s, ca_file=cfg.coordinator_ca,
+            )  # fmt: skip
+        startup.beat()
+        start_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+        startup.beat()
+        # Step 1 with the run's other islands; a restarted one joins the running rounds in phase.
+        waited_s = 0.0 if plain else learner.start_together(cfg.start_together, cfg.start_timeout_s)
 
     loader = iter(
         BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)

@@ -501,10 +501,10 @@ class LocalRun:
                 self.start_island(*self._island_args[name])
                 continue
             if rc is None and stall and now - stall[1] >= STALL_DUMP_S:
-                # A rank's watch (train.stall_exit_s) stopped it: the launch cannot go on
-                # (ZeRO-3 without a rank), and its launcher would wait 30 s for a frozen
-                # rank's SIGTERM before its SIGKILL. Killed once every rank's stacks had
-                # STALL_DUMP_S to be written.
+                # A rank's watch (train.stall_exit_s, train.startup_stall_s) stopped it: the
+                # launch cannot go on (ZeRO-3 without a rank), and its launcher would wait
+                # 30 s for a frozen rank's SIGTERM before its SIGKILL. Killed once every
+                # rank's stacks had STALL_DUMP_S to be written.
                 _wait(proc, 0.0)
                 rc = proc.poll()
             if rc is None or rc == 0 or name in self.given_up:
@@ -531,9 +531,9 @@ class LocalRun:
             self._restart_at[name] = now + delay
             what = "island diverged" if rc == Diverged.exit_code else "island died"
             why = {}
-            if stall:  # a rank's own watch (train.stall_exit_s) stopped it
-                why["why"] = (f"stalled: a rank's training loop did not come round for "
-                              f"train.stall_exit_s ({stall[0]}); the ranks' stacks are in its log")  # fmt: skip
+            if stall:  # a rank's own watch stopped it
+                train = self.cfg.train_of(self._island_args[name][0])
+                why["why"] = stall_reason(stall[0], train.stall_exit_s, train.startup_stall_s)
             # Read once: the event and the blame name the same rank (the watch's thread
             # may decide between two reads).
             first = self.rank_watch.first_dead(name)
@@ -957,6 +957,23 @@ def _read_end(path: Path, since: int, tail_bytes: int) -> str | None:
             return f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
+
+
+def stall_reason(timeout: str, loop_s: float, startup_s: float) -> str:
+    """Why an island stopped whose rank's watch fired after ``timeout`` (faulthandler's
+    ``H:MM:SS``): the training loop's (``train.stall_exit_s``, ``loop_s``) or the start-up's
+    (``train.startup_stall_s``, ``startup_s``), told apart by their limits."""
+    h, m, s = timeout.split(":")
+    fired_s = int(h) * 3600 + int(m) * 60 + float(s)
+    loop, startup = (bool(x) and abs(fired_s - x) < 0.5 for x in (loop_s, startup_s))
+    if startup and not loop:
+        what = f"a rank spent train.startup_stall_s ({timeout}) in one phase of its start-up"
+    elif loop and not startup:
+        what = f"a rank's training loop did not come round for train.stall_exit_s ({timeout})"
+    else:
+        what = (f"a rank's start-up or training loop did not get on for {timeout} "
+                "(train.startup_stall_s, train.stall_exit_s)")  # fmt: skip
+    return f"stalled: {what}; the ranks' stacks are in its log"
 
 
 def _stall_line(log: Path, since: int, tail_bytes: int = 1 << 20) -> str | None:

@@ -1,7 +1,8 @@
 """A process whose loop stops coming round exits, every thread's stack written first.
 
-Two loops are watched: the coordinator's event loop (``LoopStallExit``) and an island
-rank's training loop (``StallExit.beat`` at every step). A process stuck on a lock, in a
+Watched: the coordinator's event loop (``LoopStallExit``), an island rank's training
+loop (``StallExit.beat`` at every step) and each phase of its start-up (a beat between
+phases). A process stuck on a lock, in a
 collective whose peer froze, or on a dead disk lives on and answers nothing, SIGTERM
 included; exited, it is restarted by whatever supervises it (``ds-diloco run``, the
 deepspeed launcher's job under systemd or Kubernetes)."""
@@ -21,6 +22,9 @@ class StallExit:
     beat re-arms only once ``stall_s / 16`` has passed since the last: a loop that beats
     at least every ``15/16 stall_s`` is never stopped, and one stuck is stopped at most
     ``stall_s`` after its last beat. ``stall_s`` 0: never armed."""
+
+    active: StallExit | None = None
+    """The watch armed in this process (faulthandler has one timer a process), if any."""
 
     def __init__(self, stall_s: float):
         self.stall_s = stall_s
@@ -42,12 +46,15 @@ class StallExit:
     def _arm(self) -> None:
         faulthandler.dump_traceback_later(self.stall_s, exit=True)  # replaces the last timer
         self._armed_at = time.monotonic()
+        StallExit.active = self
 
     def stop(self) -> None:
         """Before what may hold the loop for long on purpose (a final save)."""
         if self._armed_at is not None:
             faulthandler.cancel_dump_traceback_later()
             self._armed_at = None
+            if StallExit.active is self:
+                StallExit.active = None
 
     def __enter__(self) -> StallExit:
         self.start()
@@ -67,6 +74,19 @@ class StallExit:
         finally:
             if was:
                 self._arm()
+
+
+@contextlib.contextmanager
+def unwatched():
+    """The watch armed in this process, if any, not armed meanwhile: around a wait with a
+    bound of its own (``zero.patient_group``: tokenising a corpus, converting a checkpoint,
+    for hours on a large one)."""
+    watch = StallExit.active
+    if watch is None:
+        yield
+        return
+    with watch.paused():
+        yield
 
 
 class LoopStallExit(StallExit):

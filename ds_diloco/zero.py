@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ds_diloco import agreement
+from ds_diloco import agreement, stall_exit
 from ds_diloco.config import CONVERT_TIMEOUT_S, ModelSource
 from ds_diloco.merge import sq_norm
 from ds_diloco.sharding import shard_numel
@@ -549,12 +549,14 @@ def patient_group(timeout_s: float):
     rank's long work while the others wait (tokenising a large corpus, converting a large
     checkpoint). On the island's own backend, not a gloo group beside NCCL (which needs an
     interface gloo can find), so that an island that starts on NCCL alone still does.
-    Every rank enters this together; torn down after."""
+    Every rank enters this together; torn down after. The rank's stall watch (its start-up's,
+    ``train.startup_stall_s``) is off meanwhile: ``timeout_s`` is the bound here."""
     import datetime
 
     group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        yield group
+        with stall_exit.unwatched():
+            yield group
     finally:
         torch.distributed.destroy_process_group(group)
 
