@@ -398,6 +398,12 @@ class TrainConfig:
     ``[embed_tokens, 'layers\\.[0-3]\\.']`` to fine-tune with the embeddings and the first
     layers kept fixed: no AdamW state, no fp32 master, and a pseudo-gradient of 0 (they
     still take every merged global value). Each must match some parameter."""
+    activation_checkpointing: int = 0
+    """Recompute every N-th decoder layer's activations in the backward pass instead of
+    keeping them (Hugging Face's ``activation_checkpointing_enable(every_n_layers=N)``): a
+    layer keeps only its input, for one more forward of it (about a third more compute at
+    N = 1). What lets a 1B or 7B model's long sequences fit on a GPU; the loss and the
+    gradients are the same. 0: off; 1: every layer."""
 
     def __post_init__(self):
         for pattern in self.freeze:  # a bad one would fail in every rank's start-up
@@ -407,6 +413,11 @@ class TrainConfig:
                 raise ValueError(f"train.freeze: {pattern!r} is not a regex: {e}") from None
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.activation_checkpointing < 0:
+            raise ValueError(
+                "train.activation_checkpointing must be >= 0 (0: off, N: every N-th layer), "
+                f"got {self.activation_checkpointing}"
+            )
         if self.sync_blocks < 0:
             raise ValueError(f"train.sync_blocks must be >= 0, got {self.sync_blocks}")
         if self.sync_blocks_off_first and not self.sync_blocks:

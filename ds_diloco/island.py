@@ -213,7 +213,8 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         scheduled = t.warmup_steps or t.lr_schedule != "constant"
         lr_lambda = functools.partial(lr_multiplier, t) if scheduled else None
         ds_config = deepspeed_config(cfg, world, warn=rank == 0)
-        engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, lr_lambda, t.freeze)
+        engine = zero.build_engine(cfg.model, ds_config, t.lr, t.weight_decay, lr_lambda,
+                                   t.freeze, t.activation_checkpointing)  # fmt: skip
         startup.beat()
         # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
         # its last checkpoint, then takes the current global fragments like any island.

@@ -30,18 +30,22 @@ from ds_diloco.sharding import shard_slice
 MICRO_BATCH, SEQ = 2, 16
 
 
-def engine_for(spec: dict, seed: int, model: ModelSource | None = None, freeze=()):
+def engine_for(
+    spec: dict, seed: int, model: ModelSource | None = None, freeze=(), checkpointing: int = 0,
+    ds_config: str | None = None,
+):  # fmt: skip
     """A ZeRO-3 engine built as an island builds it (the project's DeepSpeed config file)."""
     cfg = IslandConfig(
         island="test", coordinator_url="http://127.0.0.1:1",
         model=model or ModelSource(config=spec["model_config"], seed=seed),
-        deepspeed_config=spec["deepspeed_config"], data=DataConfig(path="unused"),
+        deepspeed_config=ds_config or spec["deepspeed_config"], data=DataConfig(path="unused"),
         train=TrainConfig(micro_batch=MICRO_BATCH, lr=spec["lr"], weight_decay=spec["weight_decay"],
-                          freeze=tuple(freeze)),
+                          freeze=tuple(freeze), activation_checkpointing=checkpointing),
     )  # fmt: skip
     ds = deepspeed_config(cfg, torch.distributed.get_world_size())
     t = cfg.train
-    return zero.build_engine(cfg.model, ds, t.lr, t.weight_decay, freeze=t.freeze)
+    return zero.build_engine(cfg.model, ds, t.lr, t.weight_decay, freeze=t.freeze,
+                             activation_checkpointing=t.activation_checkpointing)  # fmt: skip
 
 
 def batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,7 +355,40 @@ def scenario_resize_load(spec, rank, world):
     return {**state, "resumed": resumed, "after": sorted(os.listdir(spec["resize_dir"]))}
 
 
+def scenario_checkpointing(spec, rank, world):
+    """The same steps with activation checkpointing off, on every layer and on every other
+    layer, all parameters trained and some frozen: the losses, this rank's fp32 master
+    slices after them and how often each decoder layer's MLP ran forward (a recompute is
+    one more). ZeRO-3 releases every gathered parameter as soon as its module is done
+    (the project's config keeps them until reused), so a recompute must gather again."""
+    ds = json.loads(Path(spec["deepspeed_config"]).read_text())
+    ds["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_max_live_parameters=0,
+                                   stage3_prefetch_bucket_size=0)  # fmt: skip
+    releasing = Path(spec["out"]) / f"zero3-release-rank{rank}.json"
+    releasing.write_text(json.dumps(ds))
+    out = {}
+    for frozen in (False, True):
+        for every in (0, 1, 2):
+            engine = engine_for(spec, seed=0, freeze=spec["freeze"] if frozen else (),
+                                checkpointing=every, ds_config=str(releasing))  # fmt: skip
+            calls = [0] * len(engine.module.model.layers)
+            for i, layer in enumerate(engine.module.model.layers):
+                # The layer's own hooks stay outside the recompute (HF checkpoints its forward).
+                hook = lambda *_, i=i, c=calls: c.__setitem__(i, c[i] + 1)  # noqa: E731
+                layer.mlp.register_forward_hook(hook)
+            losses = [train_step(engine, *batch(100 * rank + s, spec["vocab"])) for s in range(3)]
+            access = zero.ZeroShardAccess(engine)
+            trained = {
+                n: access.read(n).clone() for n, p in access.params.items() if p.requires_grad
+            }
+            out[f"frozen={frozen} every={every}"] = {
+                "losses": losses, "reads": trained, "forwards": calls,
+            }  # fmt: skip
+    return out
+
+
 SCENARIOS = {
+    "checkpointing": scenario_checkpointing,
     "resize_save": scenario_resize_save,
     "resize_load": scenario_resize_load,
     "checkpoint_under_learner": scenario_checkpoint_under_learner,

@@ -386,6 +386,7 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"train.seed": -1}, r"train.seed must be >= 0, got -1"),
         ({"train.stall_exit_s": -5}, r"train.stall_exit_s must be >= 0 \(0: never\) and finite, got -5"),
         ({"islands": [{"name": "a", "train": {"stall_exit_s": INF}}]}, r"train.stall_exit_s must be >= 0 \(0: never\) and finite, got inf"),
+        ({"train.activation_checkpointing": -1}, r"train.activation_checkpointing must be >= 0 \(0: off, N: every N-th layer\), got -1"),
         ({"train.startup_stall_s": -1}, r"train.startup_stall_s must be >= 0 \(0: never\) and finite, got -1"),
         ({"islands": [{"name": "a", "train": {"startup_stall_s": INF}}]}, r"train.startup_stall_s must be >= 0 \(0: never\) and finite, got inf"),
         ({"train.grad_accum": 0}, r"train.grad_accum must be >= 1, got 0"),

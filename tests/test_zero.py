@@ -149,6 +149,7 @@ def island(tmp_path_factory):
                 "checkpoint_under_learner",
                 "finite",
                 "resize_save",
+                "checkpointing",
             ],
             "pretrained": str(pretrained),
             "model_config": str(model_config),
@@ -167,6 +168,7 @@ def island(tmp_path_factory):
             "ckpt_run": srv_ckpt.coord.run_id,
             "steps": 2,
             "resize_dir": str(out / "resize"),
+            "out": str(out),
         }
         global0 = srv.coord.global_tensors()
         problem = launch(spec, out)
@@ -197,6 +199,27 @@ def test_island_gather_gives_every_rank_all_rows_in_rank_order(island):
         # The group given is the one gathered on; none given: the default group; the
         # sockets: no all-gather at all.
         assert res["gathered_on"] == ["own", "None"], f"rank {r}: {res['gathered_on']}"
+
+
+def test_activation_checkpointing_recomputes_the_layers_asked_and_changes_no_value(island):
+    # train.activation_checkpointing: 3 steps each, with the same batches, on a ZeRO-3
+    # config that releases every parameter after use. A layer whose activations are
+    # recomputed runs its submodules twice a step, hooks and all (where ZeRO-3 gathers the
+    # parameters again). Frozen parameters too (DeepSpeed issue 4332 failed there).
+    for rank, res in enumerate(island.both("checkpointing")):
+        for frozen in (False, True):
+            off = res[f"frozen={frozen} every=0"]
+            assert off["forwards"] == [3, 3], off["forwards"]  # ODD_LLAMA: 2 layers
+            for every, forwards in ((1, [6, 6]), (2, [6, 3])):
+                on = res[f"frozen={frozen} every={every}"]
+                assert on["forwards"] == forwards, (rank, frozen, every, on["forwards"])
+                assert on["losses"] == pytest.approx(off["losses"], rel=1e-6), (rank, frozen)
+                for n, v in off["reads"].items():
+                    assert torch.allclose(on["reads"][n], v, rtol=1e-5, atol=1e-7), (
+                        rank, frozen, every, n, max_diff(on["reads"][n], v),
+                    )  # fmt: skip
+        # The frozen runs trained fewer parameters: a different model, so the check has teeth.
+        assert res["frozen=True every=0"]["losses"][2] != res["frozen=False every=0"]["losses"][2]
 
 
 def test_freeze_params_refuses_a_pattern_that_matches_nothing_or_everything(tiny_config_path):
