@@ -5,13 +5,15 @@ int32 for vocabularies above 65,536) in the cache, and read through a memory
 map as :class:`Blocks` of ``seq_len + 1`` tokens: every rank of a node shares
 the same page cache, and a rank's memory holds only the blocks it reads, not
 the corpus (a 40 MB corpus cost each rank 215 MB as int64 tensors). Every
-island and rank derives its share from the same blocks with pure functions, so
-no one has to talk to agree on who trains on what::
+island derives its share from the same blocks with pure functions, and its ranks
+walk one seeded order of it together, so no one has to talk to agree on who trains
+on what::
 
     tokenizer, blocks = prepare_corpus(corpus_dir, cache_dir, vocab_size, seq_len)
     train, heldout = heldout_split(blocks, 0.01, seed=0)   # same call on every island
-    mine = split_blocks(split_blocks(train, num_islands, island), world_size, rank)
-    for input_ids, labels in BlockLoader(mine, micro_batch_size, seed=0): ...
+    mine = split_blocks(train, num_islands, island)
+    for input_ids, labels in BlockLoader(mine, micro_batch_size, seed=0, rank=rank,
+                                         world=world_size): ...
 
 Nothing here touches the network unless :func:`load_text_dataset` is given a
 name that is not a local path.
@@ -559,61 +561,114 @@ def eval_blocks(heldout: BlocksLike, rank: int, world: int, limit: int) -> torch
     return as_tensor(heldout[rank::world][:n])
 
 
-class BlockLoader:
-    """Endless batches from one shard's blocks, in a seeded order, resumable exactly.
+_M64 = (1 << 64) - 1
 
-    Epoch ``e`` visits the blocks in the permutation drawn from ``(seed, e)``, so
-    ``(epoch, position)`` is all an island must checkpoint. A batch that runs past
-    an epoch's end continues into the next epoch: batches are always full and
-    every block is used once per epoch.
+
+def _mix64(x):
+    """splitmix64's finaliser: a bijection of 64-bit words that spreads every bit (numpy
+    ``uint64`` arrays wrap, Python ints are masked)."""
+    if isinstance(x, int):
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+        return x ^ (x >> 31)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def shuffled(positions: np.ndarray, n: int, key: int) -> np.ndarray:
+    """Where ``positions`` (in ``[0, n)``) go in a pseudo-random permutation of ``[0, n)``
+    drawn from ``key``, computed per position: a 4-round Feistel network on the smallest
+    even number of bits that covers ``n``, walked again from any value ``>= n`` until it
+    lands inside (under 4 walks on average). No permutation is held in memory: an
+    island's order over a corpus of hundreds of millions of blocks costs nothing."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
+    keys = [np.uint64(_mix64((key * 4 + r + 1) & _M64)) for r in range(4)]
+    x = np.asarray(positions, dtype=np.uint64).copy()
+    todo = np.ones(len(x), dtype=bool)
+    while todo.any():
+        left, right = x[todo] >> shift, x[todo] & mask
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        x[todo] = (left << shift) | right
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+class BlockLoader:
+    """Endless micro-batches of blocks, in a fresh seeded order each epoch, for rank
+    ``rank`` of the ``world`` ranks that read the same blocks; resumable exactly.
+
+    The ranks walk one order together: each micro-batch takes the next ``world x
+    micro_batch_size`` blocks of it, rank ``r`` the ``r``-th ``micro_batch_size`` of them.
+    So the place in the walk (``rows``, the blocks all ranks took) is all an island must
+    checkpoint, and it does not depend on the number of ranks or the micro-batch: an
+    island relaunched on fewer ranks (a node lost) or more goes on where it stopped, every
+    block once per epoch. Epoch ``e``'s order is :func:`shuffled` with a key drawn from
+    ``(seed, e)``; a micro-batch that runs past an epoch's end continues into the next.
 
     Yields ``(input_ids, labels)``, each ``(micro_batch_size, seq_len)`` int64.
     The labels are already shifted by one: give them to a Hugging Face causal LM
     as ``shift_labels=`` (with ``labels=``, it would shift them a second time) or
-    to ``cross_entropy`` directly. ``tokens_seen`` counts predicted tokens, the
-    unit of DiLoCo's token weighting.
+    to ``cross_entropy`` directly. ``tokens_seen`` counts this rank's predicted tokens,
+    the unit of DiLoCo's token weighting.
     """
 
-    def __init__(self, blocks: BlocksLike, micro_batch_size: int, *, seed: int = 0):
+    def __init__(
+        self, blocks: BlocksLike, micro_batch_size: int, *, seed: int = 0, rank: int = 0,
+        world: int = 1,
+    ):  # fmt: skip
         if blocks.ndim != 2 or len(blocks) == 0 or blocks.shape[1] < 2:
             raise ValueError(
                 f"blocks: need a non-empty (N, seq_len + 1), got {tuple(blocks.shape)}"
             )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be at least 1")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank={rank}: must be in [0, world={world})")
         if not isinstance(blocks, Blocks):  # a tensor of blocks, in memory
             blocks = Blocks(blocks)
         self.blocks, self.micro_batch_size, self.seed = blocks, micro_batch_size, seed
-        self.epoch = self.position = self.tokens_seen = 0
-        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+        self.rank, self.world = rank, world
+        self.rows = self.tokens_seen = 0
 
-    def _epoch_order(self) -> np.ndarray:
-        if self._order is None or self._order[0] != self.epoch:
-            perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.blocks))
-            self._order = (self.epoch, perm)
-        return self._order[1]
+    @property
+    def epoch(self) -> int:
+        return self.rows // len(self.blocks)
+
+    @property
+    def position(self) -> int:
+        """Where the walk is in the current epoch's order."""
+        return self.rows % len(self.blocks)
+
+    def seek(self, rows: int) -> None:
+        """Go to where the ranks had taken ``rows`` blocks together (a checkpoint's place)."""
+        if rows < 0:
+            raise ValueError(f"rows={rows}: must be >= 0")
+        self.rows = int(rows)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        picked: list[np.ndarray] = []
-        need = self.micro_batch_size
-        while need:
-            take = self._epoch_order()[self.position : self.position + need]
-            picked.append(take)
-            need -= len(take)
-            self.position += len(take)
-            if self.position == len(self.blocks):
-                self.epoch, self.position = self.epoch + 1, 0
-        batch = self.blocks.take(np.concatenate(picked))
+        mb, n = self.micro_batch_size, len(self.blocks)
+        walk = self.rows + self.rank * mb + np.arange(mb)
+        epochs, places = np.divmod(walk, n)
+        picked = np.empty(mb, dtype=np.int64)
+        for e in np.unique(epochs):  # one, or two across an epoch's end
+            here = epochs == e
+            picked[here] = shuffled(
+                places[here], n, _mix64((self.seed * 1_000_003 + int(e)) & _M64)
+            )
+        self.rows += self.world * mb
+        batch = self.blocks.take(picked)
         self.tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {
-            "epoch": self.epoch,
-            "position": self.position,
+            "rows": self.rows,
             "seed": self.seed,
             "tokens_seen": self.tokens_seen,
             "num_blocks": len(self.blocks),
@@ -626,11 +681,8 @@ class BlockLoader:
                 f"state is for a shard of {state['num_blocks']} blocks, this one has "
                 f"{len(self.blocks)}: resume with the same corpus, seq_len and split"
             )
-        if not 0 <= state["position"] < len(self.blocks):
-            raise ValueError(f"position={state['position']}: out of range")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.seek(int(state["rows"]))
         self.seed, self.tokens_seen = int(state["seed"]), int(state["tokens_seen"])
-        self._order = None
 
 
 def prepare_corpus(

@@ -54,9 +54,9 @@ def preparation_turn(rank: int, local_rank: int) -> int:
 
 
 def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
-    """(this rank's training blocks, held-out blocks), views of the memory-mapped cached
+    """(the island's training blocks, held-out blocks), views of the memory-mapped cached
     tokens (no copy of the corpus per rank); see :func:`preparation_turn` for who fills
-    the cache."""
+    the cache. Its ranks walk the training blocks together (``data.BlockLoader``)."""
     d = cfg.data
     turn = preparation_turn(rank, int(os.environ.get("LOCAL_RANK", rank)))
     with zero.patient_group(d.prepare_timeout_s) as group:  # as long as tokenising takes
@@ -68,7 +68,10 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)
-        return split_blocks(island, zero.rank_and_world()[1], rank), heldout
+        world = zero.rank_and_world()[1]
+        if len(island) < world:
+            raise ValueError(f"{len(island)} blocks cannot give {world} ranks one each")
+        return island, heldout
     except ValueError as e:  # say whose shard: the bare message named no island
         raise ValueError(
             f"island {cfg.island!r} (shard {cfg.shard} of {cfg.num_shards}) rank {rank}: {e}; "
@@ -219,10 +222,10 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         # A restarted island resumes its inner loop (AdamW state, schedule, data position) from
         # its last checkpoint, then takes the current global fragments like any island.
         ckpt_dir = workdir / "checkpoints"
-        start_step, tokens, batches = (
+        start_step, tokens, batches, rows = (
             zero.load_checkpoint(engine, ckpt_dir, t.convert_timeout_s)
             if t.checkpoint_every
-            else (0, 0, 0)
+            else (0, 0, 0, 0)
         )  # a conversion is unwatched: train.convert_timeout_s
         startup.beat()
         modules_before = set(sys.modules)  # what the syncer imports shows below (bench island)
@@ -240,11 +243,12 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         # Step 1 with the run's other islands; a restarted one joins the running rounds in phase.
         waited_s = 0.0 if plain else learner.start_together(cfg.start_together, cfg.start_timeout_s)
 
-    loader = iter(
-        BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101 + rank)
-    )
-    for _ in range(batches):  # the batches the checkpointed steps took (whatever grad_accum was)
-        next(loader)
+    # The island's ranks walk one order of its blocks together, so that a relaunch on
+    # another number of ranks (or micro-batch) goes on exactly where the island stopped.
+    loader = BlockLoader(train_blocks, t.micro_batch, seed=t.seed * 7919 + cfg.shard * 101,
+                         rank=rank, world=world)  # fmt: skip
+    # A checkpoint from before the walk was kept: the micro-batches each rank had read.
+    loader.seek(rows if rows is not None else batches * world * t.micro_batch)
     progress = (workdir / "progress.jsonl").open("a") if rank == 0 else None
     if progress:  # when this launch's training began (goodput: allocated time), and where
         started = {"island": cfg.island, "step": start_step, "tokens": tokens,
@@ -315,7 +319,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
                         "(a restart resumes the last checkpoint, saved while it was, and takes "
                         "the global model)"
                     )
-                state = {"step": step, "tokens": tokens, "batches": batches}
+                state = {"step": step, "tokens": tokens, "batches": batches, "rows": loader.rows}
                 with stall.paused():  # as long as the disk takes
                     zero.save_checkpoint(engine, ckpt_dir, step, state)
     wall = time.perf_counter() - t_start
@@ -332,6 +336,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         "lr_end": engine.get_lr()[0],  # the schedule's last value
         "tokens": tokens,
         "batches": batches,  # micro-batches this rank's data has given, resumed launches included
+        "data_rows": loader.rows,  # the island's place in its data walk (blocks all ranks took)
         "wall_s": round(wall, 2),
         "start_wait_s": round(waited_s, 3),
         "train_s": round(step_s, 3),

@@ -31,17 +31,17 @@ def prepare(path: str) -> list[str]:
         f"{len(heldout)} held out), vocabulary {len(tok)}, cached in {d.cache_dir} "
         f"({time.monotonic() - t0:.1f} s)"
     ]
-    if is_run:  # islands take every M-th block, then each rank every W-th of those
+    if is_run:  # islands take every M-th block; an island's ranks walk its blocks together
         sizes = {s.name: s.world_size for s in cfg.islands}
         check_shards(len(train), sizes)
         for i, (name, world) in enumerate(sizes.items()):
             mine = len(split_blocks(train, len(sizes), i))  # the island's own split, a view
             each = "its rank" if world == 1 else f"each of its {world} ranks"
-            lines.append(f"  {name}: {mine} blocks, {mine // world} or more for {each}")
+            lines.append(f"  {name}: {mine} blocks, {mine // world} or more an epoch for {each}")
     else:  # the island file does not say its world size: the launcher does
         mine = len(split_blocks(train, cfg.num_shards, cfg.shard))
         lines.append(f"  {cfg.island} (shard {cfg.shard} of {cfg.num_shards}): {mine} blocks, "
-                     "split again across its ranks")  # fmt: skip
+                     "walked by its ranks together")  # fmt: skip
     return lines
 
 

@@ -348,15 +348,16 @@ def latest_tag(directory: Path) -> str | None:
 
 def load_checkpoint(
     engine, directory: Path, convert_timeout_s: float = CONVERT_TIMEOUT_S
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int | None]:
     """Restore the latest checkpoint in ``directory`` if there is one: (step, tokens,
-    micro-batches read by each rank); (0, 0, 0) if none. Checkpoints from before gradient
-    accumulation read one micro-batch per step. One written by another number of ranks is
-    loaded through DeepSpeed's universal format (:func:`_load_resized`; its conversion
-    given up after ``convert_timeout_s``)."""
+    micro-batches read by each rank, the island's place in its data: :func:`_resume_point`);
+    (0, 0, 0, 0) if none. Checkpoints from before gradient accumulation read one
+    micro-batch per step. One written by another number of ranks is loaded through
+    DeepSpeed's universal format (:func:`_load_resized`; its conversion given up after
+    ``convert_timeout_s``)."""
     pointer, tag = directory / LATEST, latest_tag(directory)
     if tag is None:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     if not tag or not (directory / tag).is_dir():
         raise RuntimeError(
             f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
@@ -371,12 +372,16 @@ def load_checkpoint(
     return _resume_point(client_state)
 
 
-def _resume_point(client_state: dict, read_by: int = 1, now: int = 1) -> tuple[int, int, int]:
-    """(step, tokens, micro-batches each rank skips): the ``read_by`` ranks' micro-batches,
-    each, are read by ``now`` ranks."""
+def _resume_point(
+    client_state: dict, read_by: int = 1, now: int = 1
+) -> tuple[int, int, int, int | None]:
+    """(step, tokens, micro-batches each rank has read, the island's place in its data
+    walk): the ``read_by`` ranks' micro-batches, each, are counted for ``now`` ranks; the
+    place (``data.BlockLoader.rows``) is None in a checkpoint from before it was kept."""
     step = int(client_state["step"])
     batches = int(client_state.get("batches", step)) * read_by // now
-    return step, int(client_state["tokens"]), batches
+    rows = client_state.get("rows")
+    return step, int(client_state["tokens"]), batches, None if rows is None else int(rows)
 
 
 def _load_resized(
@@ -386,11 +391,9 @@ def _load_resized(
     state, schedule and place in its data like any restart. DeepSpeed refuses a ZeRO
     checkpoint written by another number of ranks; rank 0 converts it to the universal
     format (one file per tensor and state, whole) once, and every rank loads its new
-    partitions from that. The island's ranks read ``batches`` micro-batches each; the
-    new ranks skip as many in all, split between them (which blocks each new rank has
-    seen is not known: each one's share of the shard is another). Where the conversion
-    fails or a rank cannot see its output, the island starts from the global model as
-    one without a checkpoint, and says why."""
+    partitions from that. Its place in its data (``rows``) is the island's, whatever its
+    number of ranks. Where the conversion fails or a rank cannot see its output, the
+    island starts from the global model as one without a checkpoint, and says why."""
     world = engine.dp_world_size
     converted = directory / UNIVERSAL / tag
     problem = converted_everywhere(directory / tag, converted, convert_timeout_s)
@@ -401,7 +404,7 @@ def _load_resized(
                 "and %s: starting from the global model; its AdamW state is not carried over",
                 directory / tag, written_by, world, problem,
             )  # fmt: skip
-        return 0, 0, 0
+        return 0, 0, 0, 0
     engine._config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading
     try:
         path, client_state = engine.load_checkpoint(str(directory / UNIVERSAL), tag=tag)

@@ -338,7 +338,8 @@ def scenario_resize_save(spec, rank, world):
     for step in range(3):
         train_step(engine, *batch(100 * rank + step, spec["vocab"]))
     zero.save_checkpoint(engine, Path(spec["resize_dir"]), 3,
-                         {"step": 3, "tokens": 3 * world * MICRO_BATCH * SEQ, "batches": 3})  # fmt: skip
+                         {"step": 3, "tokens": 3 * world * MICRO_BATCH * SEQ, "batches": 3,
+                          "rows": 3 * world * MICRO_BATCH})  # fmt: skip
     return _inner_state(engine)
 
 

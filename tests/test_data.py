@@ -350,6 +350,41 @@ def test_block_loader_resumes_exactly(blocks):
         data.BlockLoader(blocks[:11], 3).load_state_dict(state)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 4097, 65537])
+def test_shuffled_is_a_permutation_drawn_from_its_key(n):
+    a, b = (data.shuffled(np.arange(n), n, key) for key in (11, 12))
+    assert sorted(a.tolist()) == sorted(b.tolist()) == list(range(n))  # every place once
+    if n >= 16:
+        assert a.tolist() != b.tolist() and a.tolist() != list(range(n))
+    assert data.shuffled(np.array([n - 1, 0]), n, 11).tolist() == [a[n - 1], a[0]]  # per place
+
+
+def test_an_islands_ranks_walk_one_order_and_a_resized_island_goes_on_where_it_stopped(blocks):
+    # An island of 2 ranks (micro-batch 3) takes 4 micro-batches and checkpoints its place;
+    # relaunched on 1 rank with micro-batches of 2 it goes on from there: over the epoch
+    # (48 of the blocks here), every block comes once, across the resize.
+    shard = blocks[:48]
+    pair = [data.BlockLoader(shard, 3, seed=4, rank=r, world=2) for r in (0, 1)]
+    taken = []
+    for _ in range(4):
+        step = [next(loader)[0] for loader in pair]
+        assert not set(map(tuple, step[0].tolist())) & set(map(tuple, step[1].tolist()))
+        taken += step
+    assert pair[0].rows == pair[1].rows == 4 * 2 * 3 and pair[0].tokens_seen == 4 * 3 * 16
+    alone = data.BlockLoader(shard, 2, seed=4)
+    alone.seek(json.loads(json.dumps(pair[0].state_dict()))["rows"])  # through a checkpoint
+    taken += [next(alone)[0] for _ in range((48 - 24) // 2)]
+    assert alone.rows == 48 and (alone.epoch, alone.position) == (1, 0)
+    rows = sorted(map(tuple, torch.cat(taken).tolist()))
+    assert rows == sorted(map(tuple, shard[:, :-1].tolist()))  # each block of the epoch once
+    # The walk is the same one however it is cut: one rank of micro-batch 6 takes, in
+    # order, what the pair took rank by rank.
+    one = data.BlockLoader(shard, 6, seed=4)
+    assert torch.equal(torch.cat([next(one)[0] for _ in range(4)]), torch.cat(taken[:8]))
+    with pytest.raises(ValueError, match=r"rank=2: must be in \[0, world=2\)"):
+        data.BlockLoader(shard, 3, rank=2, world=2)
+
+
 def test_prepare_corpus_caches_blocks(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

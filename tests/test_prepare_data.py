@@ -37,8 +37,8 @@ def test_the_cache_it_fills_is_the_one_an_islands_ranks_then_only_map(tmp_path, 
     assert re.search(rf": {len(blocks)} blocks of 32 tokens \({len(train)} to train on, "
                      rf"{len(heldout)} held out\), vocabulary 512, cached in ", lines[0]), lines  # fmt: skip
     a, b = (len(data.split_blocks(train, 2, i)) for i in (0, 1))
-    assert lines[1:] == [f"  a: {a} blocks, {a // 2} or more for each of its 2 ranks",
-                         f"  b: {b} blocks, {b} or more for its rank"], lines  # fmt: skip
+    assert lines[1:] == [f"  a: {a} blocks, {a // 2} or more an epoch for each of its 2 ranks",
+                         f"  b: {b} blocks, {b} or more an epoch for its rank"], lines  # fmt: skip
 
 
 def test_an_island_file_gets_its_own_shard_and_a_corpus_too_small_is_named(
@@ -59,7 +59,7 @@ def test_an_island_file_gets_its_own_shard_and_a_corpus_too_small_is_named(
     _, blocks = data.prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len)
     train, _ = data.heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     mine = len(data.split_blocks(train, 3, 1))
-    assert lines[1] == f"  east (shard 1 of 3): {mine} blocks, split again across its ranks"
+    assert lines[1] == f"  east (shard 1 of 3): {mine} blocks, walked by its ranks together"
     # A run whose ranks outnumber the blocks: refused before anything is launched, named.
     run_file = write_run_file(tmp_path, tiny_config_path, [{"name": "big", "world_size": 4096}], 4)
     out = _prepare_cli(run_file)

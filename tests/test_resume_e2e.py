@@ -180,7 +180,7 @@ def test_an_island_resumed_with_more_ranks_goes_on_from_its_checkpoint(
     assert (checkpoints / "latest").read_text() == "step6"
 
     run["islands"] = [{"name": "a", "world_size": 2}]
-    run["train"]["steps"] = 8  # not done yet: --resume starts it again
+    run["train"].update(steps=8, micro_batch=2)  # not done yet: --resume starts it again
     run["max_restarts"] = 0  # the first failed launch ends the run
     run_file.write_text(json.dumps(run))
     resumed = ds_diloco_run(run_file, "--resume")
@@ -199,7 +199,10 @@ def test_an_island_resumed_with_more_ranks_goes_on_from_its_checkpoint(
     assert summary["resumed_from"] == {"a": {"step": 6, "started_step": 6}}
     island = summary["islands"]["a"]
     assert island["start_step"] == 6 and island["steps"] == 8
-    assert island["tokens"] == (6 + 2 * 2) * TOKENS_PER_STEP  # steps 7 and 8 on two ranks
+    assert island["tokens"] == 6 * TOKENS_PER_STEP + 2 * 2 * 2 * 32  # 7 and 8: 2 ranks x 2
+    # Its data went on from the checkpoint's place: 6 x 4 blocks on one rank, then 2 x 2 x 2
+    # (not 3 micro-batches a rank of the new size, as each rank's count alone would say).
+    assert island["data_rows"] == 6 * 4 + 2 * 2 * 2, island
     # The island's next checkpoint (step 8, two ranks) made the converted one stale.
     assert (checkpoints / "latest").read_text() == "step8"
     assert not (checkpoints / "universal").exists()

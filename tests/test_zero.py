@@ -222,6 +222,14 @@ def test_activation_checkpointing_recomputes_the_layers_asked_and_changes_no_val
         assert res["frozen=True every=0"]["losses"][2] != res["frozen=False every=0"]["losses"][2]
 
 
+def test_a_checkpoint_gives_the_islands_place_in_its_data_or_none_from_before_it_was_kept():
+    # (step, tokens, micro-batches each rank has read, the island's data walk)
+    assert zero._resume_point({"step": 5, "tokens": 9, "batches": 6, "rows": 48}, 2, 1) == (
+        5, 9, 12, 48,
+    )  # fmt: skip
+    assert zero._resume_point({"step": 5, "tokens": 9, "batches": 6}, 2, 4) == (5, 9, 3, None)
+
+
 def test_freeze_params_refuses_a_pattern_that_matches_nothing_or_everything(tiny_config_path):
     def model():
         return build_model(ModelSource(config=tiny_config_path, seed=0))
@@ -459,7 +467,8 @@ def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island
     problem = launch({**island.spec, "scenarios": ["resize_load"]}, out, world=1)
     assert problem is None, problem
     loaded = torch.load(out / "resize_load-rank0.pt")
-    assert loaded["resumed"] == (3, 3 * 2 * 2 * 16, 6)  # step, tokens, the 2 x 3 micro-batches
+    # Step, tokens, the 2 x 3 micro-batches, and the island's place in its data walk.
+    assert loaded["resumed"] == (3, 3 * 2 * 2 * 16, 6, 3 * 2 * 2)
     assert loaded["adam_step"] == saved["adam_step"] == 3.0
     assert loaded["lr"] == saved["lr"] == pytest.approx(LR * 0.4)  # (3 + 1) / 10
     assert saved["whole"].keys() == loaded["whole"].keys()
