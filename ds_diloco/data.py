@@ -442,7 +442,7 @@ class Blocks:
     """Fixed-length token blocks: rows of a (memory-mapped) token array, chosen by index.
 
     Taking a slice or an index array of it is a view (a new index, no tokens copied), so
-    the held-out split and the islands' and ranks' shares cost no copy of the corpus.
+    the held-out split and the islands' shares cost no copy of the corpus.
     ``blocks[i]`` is one block and :meth:`tensor` all of them, as int64 tensors; ``len``
     and ``shape`` are those of the ``(N, seq_len + 1)`` tensor it stands for.
     """

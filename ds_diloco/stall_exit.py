@@ -2,10 +2,10 @@
 
 Watched: the coordinator's event loop (``LoopStallExit``), an island rank's training
 loop (``StallExit.beat`` at every step) and each phase of its start-up (a beat between
-phases). A process stuck on a lock, in a
-collective whose peer froze, or on a dead disk lives on and answers nothing, SIGTERM
-included; exited, it is restarted by whatever supervises it (``ds-diloco run``, the
-deepspeed launcher's job under systemd or Kubernetes)."""
+phases). A process stuck on a lock, in a collective whose peer froze, or on a dead disk
+lives on and answers nothing, SIGTERM included; exited, it is restarted by whatever
+supervises it (``ds-diloco run``, the deepspeed launcher's job under systemd or
+Kubernetes)."""
 
 from __future__ import annotations
 
