@@ -681,7 +681,11 @@ class BlockLoader:
                 f"state is for a shard of {state['num_blocks']} blocks, this one has "
                 f"{len(self.blocks)}: resume with the same corpus, seq_len and split"
             )
-        self.seek(int(state["rows"]))
+        if "rows" in state:
+            rows = int(state["rows"])
+        else:  # a state from before the walk: its epoch and place, in an order of the time
+            rows = int(state["epoch"]) * len(self.blocks) + int(state["position"])
+        self.seek(rows)
         self.seed, self.tokens_seen = int(state["seed"]), int(state["tokens_seen"])
 
 

@@ -348,6 +348,10 @@ def test_block_loader_resumes_exactly(blocks):
     assert resumed.tokens_seen == loader.tokens_seen == 7 * 3 * 16
     with pytest.raises(ValueError, match="blocks"):
         data.BlockLoader(blocks[:11], 3).load_state_dict(state)
+    # A state from before the walk was kept (epoch and place) goes on from the same count.
+    old = {"epoch": 1, "position": 4, "seed": 1, "tokens_seen": 0, "num_blocks": 10}
+    resumed.load_state_dict(old)
+    assert resumed.rows == 14 and (resumed.epoch, resumed.position) == (1, 4)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 4097, 65537])
