@@ -615,6 +615,9 @@ class BlockLoader:
     the unit of DiLoCo's token weighting.
     """
 
+    AHEAD = 256
+    """Micro-batches whose blocks :meth:`_picks` works out at once."""
+
     def __init__(
         self, blocks: BlocksLike, micro_batch_size: int, *, seed: int = 0, rank: int = 0,
         world: int = 1,
@@ -632,6 +635,7 @@ class BlockLoader:
         self.blocks, self.micro_batch_size, self.seed = blocks, micro_batch_size, seed
         self.rank, self.world = rank, world
         self.rows = self.tokens_seen = 0
+        self._ahead: tuple[int, int, np.ndarray] | None = None  # (seed, rows, picks) cache
 
     @property
     def epoch(self) -> int:
@@ -651,18 +655,29 @@ class BlockLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _picks(self, rows: int) -> np.ndarray:
+        """The blocks this rank takes in the ``AHEAD`` micro-batches from the walk's place
+        ``rows`` on, one row each: :func:`shuffled` costs about 0.1 ms a call whatever its
+        length, too much for every micro-batch of a fast step."""
         mb, n = self.micro_batch_size, len(self.blocks)
-        walk = self.rows + self.rank * mb + np.arange(mb)
-        epochs, places = np.divmod(walk, n)
-        picked = np.empty(mb, dtype=np.int64)
-        for e in np.unique(epochs):  # one, or two across an epoch's end
+        starts = rows + self.world * mb * np.arange(self.AHEAD) + self.rank * mb
+        epochs, places = np.divmod((starts[:, None] + np.arange(mb)).ravel(), n)
+        picked = np.empty(len(places), dtype=np.int64)
+        for e in np.unique(epochs):  # one, or more across an epoch's end
             here = epochs == e
             picked[here] = shuffled(
                 places[here], n, _mix64((self.seed * 1_000_003 + int(e)) & _M64)
             )
-        self.rows += self.world * mb
-        batch = self.blocks.take(picked)
+        return picked.reshape(self.AHEAD, mb)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.world * self.micro_batch_size
+        seed, first, _ = self._ahead or (None, 0, None)
+        k, off = divmod(self.rows - first, step)
+        if seed != self.seed or off or not 0 <= k < self.AHEAD:  # worked out from here on
+            self._ahead, k = (self.seed, self.rows, self._picks(self.rows)), 0
+        self.rows += step
+        batch = self.blocks.take(self._ahead[2][k])
         self.tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
