@@ -386,7 +386,7 @@ def _resume_point(
 
 def _load_resized(
     engine, directory: Path, tag: str, written_by: int, convert_timeout_s: float
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int | None]:
     """An island resized between launches (a node lost, or added back) resumes its AdamW
     state, schedule and place in its data like any restart. DeepSpeed refuses a ZeRO
     checkpoint written by another number of ranks; rank 0 converts it to the universal
