@@ -22,7 +22,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 import ds_diloco  # ds_diloco
 from ds_diloco import zero
-from ds_diloco.data import BlockLoader, prepare_corpus, split_blocks
+from ds_diloco.data import BlockLoader, prepare_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,9 @@ def main() -> None:
     )
 
     _, blocks = prepare_corpus(args.text, args.cache_dir, model_config.vocab_size, args.seq_len)
-    batches = iter(BlockLoader(split_blocks(blocks, world, rank), args.micro_batch, seed=rank))
+    # The ranks walk one order of the blocks together, rank r the r-th micro-batch of each
+    # world x micro_batch: the same walk on any number of ranks.
+    batches = iter(BlockLoader(blocks, args.micro_batch, seed=0, rank=rank, world=world))
     for micro in range(1, args.steps * ga + 1):
         ids, next_ids = (x.to(engine.device) for x in next(batches))  # labels shifted already
         logits = engine(input_ids=ids).logits
