@@ -258,7 +258,9 @@ class DataConfig:
 
     path: str
     """Text file or folder (its *.txt files, else its .json/.jsonl/.parquet files; hidden
-    entries skipped, linked folders followed), a saved dataset, or a ``load_dataset`` name."""
+    entries and our caches skipped, linked folders followed), a saved dataset, or a
+    ``load_dataset`` name. Text is UTF-8 (else cp1252), or UTF-16/32 with a byte-order
+    mark; several Gutenberg books in one file each lose their licence."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer folder; None trains a byte-level BPE on the corpus (cached)."""
     vocab_size: int = 4096
@@ -268,13 +270,16 @@ class DataConfig:
     text_field: str = "text"
     """Column holding the text in json/parquet/hub datasets."""
     split: str = "train"
-    """The split of a dataset that has several (a saved ``DatasetDict``, a hub dataset)."""
+    """The split of a dataset that has several (a saved ``DatasetDict``, a hub dataset), or
+    of a folder whose file or folder names name them as ``datasets`` reads them
+    (``train.jsonl``/``test.jsonl``, ``valid/``: files naming none are left out)."""
     heldout_fraction: float = 0.02
     """Share of blocks held out for evaluation (the same blocks on every island)."""
     cache_dir: str = ".cache/ds_diloco"
     """Tokenizer and packed blocks are cached here, keyed by the corpus fingerprint."""
     seed: int = 0
-    """Seed of the held-out split and of each shard's batch order."""
+    """Seed of the held-out split (the same blocks held out on every island; the order an
+    island walks its blocks in follows ``train.seed``)."""
     prepare_timeout_s: float = 6 * 3600.0
     """How long an island's ranks wait for the one that tokenises the corpus into the cache
     (once per corpus and tokenizer: later launches find it filled). Their process group's
@@ -521,6 +526,7 @@ class IslandConfig:
                 f"coordinator_ca is set but coordinator_url {self.coordinator_url!r} is not "
                 "https://: the certificate would never be checked"
             )
+        object.__setattr__(self, "data", with_model_tokenizer(self.data, self.model.pretrained))
 
     def resolve_token(self) -> str:
         token = self.token or os.environ.get(TOKEN_ENV)
@@ -688,9 +694,17 @@ class RunConfig:
                 f"workdir {self.workdir!r} is inside data.path {self.data.path!r}: the run's "
                 "logs would become part of the corpus; put the workdir elsewhere"
             )
-        if self.model.pretrained and self.data.tokenizer is None:  # not a BPE trained anew
-            with_tokenizer = dataclasses.replace(self.data, tokenizer=self.model.pretrained)
-            object.__setattr__(self, "data", with_tokenizer)
+        object.__setattr__(self, "data", with_model_tokenizer(self.data, self.model.pretrained))
+
+
+def with_model_tokenizer(data: DataConfig, pretrained: str | None) -> DataConfig:
+    """``data`` with a pretrained model's own tokenizer where it names none: a pretrained
+    model reads its own token ids, not those of a BPE trained anew on the corpus. Run
+    files, island files and ``ds-diloco eval --data`` alike (the last two trained a BPE
+    and fed its ids to the model, with no error: every id is in its vocabulary)."""
+    if pretrained and data.tokenizer is None:
+        return dataclasses.replace(data, tokenizer=pretrained)
+    return data
 
 
 def _same_model(a: ModelSource, b: ModelSource) -> bool:
@@ -871,10 +885,13 @@ def _resolve_paths(data: dict, base: Path, keys: tuple[str, ...], where: str = "
         if rest:
             if isinstance(data.get(head), dict):
                 data[head] = _resolve_paths(data[head], base, (rest,), f"{where}{head}.")
-        elif data.get(head) == "":
+            continue
+        if data.get(head) == "":
             # Not the working directory: a fresh run clears its workdir's state/, islands/...
             raise ValueError(f"{where}{head}: an empty path; leave the key out for its default")
-        elif _relative(data.get(head)) and (
+        if isinstance(data.get(head), str) and data[head].startswith("~"):
+            data[head] = os.path.expanduser(data[head])  # else a folder named '~' in the cwd
+        if _relative(data.get(head)) and (
             head in _ALWAYS or data[head].startswith(("./", "../")) or (base / data[head]).exists()
         ):
             # Not existing and not written as a relative path: a dataset or Hub name, say.
@@ -1010,7 +1027,9 @@ def load_data_config(path: str | os.PathLike) -> DataConfig:
     data = _resolve_paths(load_file(path), Path(path).resolve().parent, FILE_PATHS)
     if not isinstance(data.get("data"), dict):
         raise ValueError(f"{str(path)!r} has no data section (a run or island file has one)")
-    return from_dict(DataConfig, data["data"], "data.")
+    model = data.get("model")
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    return with_model_tokenizer(from_dict(DataConfig, data["data"], "data."), pretrained)
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:

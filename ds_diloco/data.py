@@ -21,6 +21,7 @@ name that is not a local path.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -52,7 +53,7 @@ REPORT_EVERY_S = 60.0
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Ids 0, 1, 2 in this order, as model_configs/tiny-llama.json expects."""
 FINGERPRINT_FILE = "corpus_fingerprint.json"
-_FINGERPRINT_VERSION = 2  # bump when cleaning or training changes what the same files give
+_FINGERPRINT_VERSION = 3  # bump when cleaning or training changes what the same files give
 _MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet is always in the vocabulary
 
 # Project Gutenberg wraps texts in a licence. Modern files mark it with
@@ -71,12 +72,14 @@ _FOOTER_START = re.compile(
 )
 
 
-def find_text_files(path: str | os.PathLike) -> list[str]:
+def find_text_files(path: str | os.PathLike, split: str = "train") -> list[str]:
     """``path`` itself if it is a file, else every ``*.txt`` below it (else, for a folder
-    of records, its ``.json``/``.jsonl``/``.parquet`` files), sorted; see :func:`_walk`."""
+    of records, its ``.json``/``.jsonl``/``.parquet`` files), sorted; see :func:`_walk`.
+    A folder whose files name splits (``train.jsonl``, ``test.jsonl``; ``valid/``) gives
+    those of ``split`` (:func:`_split_files`)."""
     if not os.path.exists(path):
         raise ValueError(f"data.path {str(path)!r} does not exist")
-    if not (files := _corpus_files(Path(path))):
+    if not (files := _corpus_files(Path(path), split)):
         raise ValueError(
             f"no text files at {str(path)!r}: give a file or a folder of *.txt "
             "(or .json/.jsonl/.parquet) files"
@@ -84,23 +87,89 @@ def find_text_files(path: str | os.PathLike) -> list[str]:
     return files
 
 
-def _corpus_files(p: Path) -> list[str]:
+def _suffix(path: str | os.PathLike) -> str:
+    return Path(path).suffix.lower()  # BOOK.TXT is a text file too
+
+
+_NOT_TEXT = (".csv", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar")
+"""Suffixes of a corpus file given alone that are refused rather than read as text."""
+
+
+def _corpus_files(p: Path, split: str = "train") -> list[str]:
     """:func:`find_text_files`, [] for none."""
     if p.is_file():
+        if _suffix(p) in _NOT_TEXT:  # before a tokenizer is trained on its bytes
+            raise ValueError(
+                f"data.path {str(p)!r}: a {_suffix(p)} file is not read as a corpus; give a "
+                "text file, a .json/.jsonl/.parquet file of records, or a folder"
+            )
         return [str(p)]
     found = _walk(p)
-    files = [f for f in found if f.suffix == ".txt"] or [f for f in found if f.suffix in _LOADERS]
-    return [str(f) for f in files]
+    files = [f for f in found if _suffix(f) == ".txt"]
+    files = files or [f for f in found if _suffix(f) in _LOADERS]
+    return [str(f) for f in _split_files(p, files, split)]
+
+
+_SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+"""The words by which file and folder names name a split (``datasets``' convention)."""
+_SEP = "[-._ 0-9]"
+
+
+def _named_split(name: str, folder: bool) -> str | None:
+    """The split a file name names (the word, then a separator: ``train.jsonl``,
+    ``books-test-00.txt``), or a folder name (the word alone too: ``valid/``)."""
+    end = f"(?:{_SEP}|$)" if folder else _SEP
+    for split, words in _SPLIT_WORDS.items():
+        if any(re.search(f"(?:^|{_SEP}){w}{end}", name, re.IGNORECASE) for w in words):
+            return split
+    return None
+
+
+def _split_files(root: Path, files: list[Path], split: str) -> list[Path]:
+    """The files of ``split`` in a folder whose file names, or else folder names, name
+    splits (as ``datasets.load_dataset`` reads a folder; files naming none are left out);
+    a folder naming none is all its train split. Before, ``split`` was ignored for local
+    folders: a test.jsonl beside train.jsonl was trained on."""
+    if not files:
+        return files
+    rel = [f.relative_to(root) for f in files]
+    names = [_named_split(r.name, folder=False) for r in rel]
+    if not any(names):  # else by the folders the files are in
+        names = [next(filter(None, (_named_split(d, True) for d in r.parts[:-1])), None)
+                 for r in rel]  # fmt: skip
+    if not any(names):
+        if split != "train":
+            raise ValueError(
+                f"data.split {split!r}: no file or folder at {str(root)!r} names a split "
+                "(train.jsonl, test.jsonl, valid/...): all of it is its train split"
+            )
+        return files
+    if split not in names:
+        raise ValueError(
+            f"data.split {split!r} not found at {str(root)!r}: its files name the splits "
+            f"{sorted(set(filter(None, names)))}"
+        )
+    return [f for f, s in zip(files, names, strict=True) if s == split]
+
+
+CACHE_MARK = ".ds_diloco-cache"
+"""In a cache folder: :func:`_walk` leaves it out, so a cache kept inside the corpus's
+folder never becomes part of the corpus (its tokenizer.json was read as records)."""
 
 
 def _walk(root: Path) -> list[Path]:
     """The files below ``root``, sorted: hidden files and folders left out (a notebook's
     .ipynb_checkpoints copies were trained on, held-out text included; ``datasets`` skips
-    them too), symlinked folders followed once (``Path.rglob`` skipped them)."""
+    them too), and our caches (:data:`CACHE_MARK`); symlinked folders followed once
+    (``Path.rglob`` skipped them)."""
     out, seen = [], set()
     for top, dirs, names in os.walk(root, followlinks=True):
         real = os.path.realpath(top)
-        if real in seen:  # a link back up the tree
+        if real in seen or CACHE_MARK in names:  # a link back up the tree, or a cache
             dirs[:] = []
             continue
         seen.add(real)
@@ -110,21 +179,36 @@ def _walk(root: Path) -> list[Path]:
 
 
 def clean_gutenberg(text: str) -> str:
-    """The text between Gutenberg's licence header and footer, with ``\\n`` line ends.
+    """The text between Gutenberg's licence header and footer, with ``\\n`` line ends;
+    several books in one file (headers and footers one after the other) each keep theirs,
+    a blank line apart (only the first was kept: the others were dropped).
 
     Trailing spaces are dropped too: they are invisible noise that would cost tokens.
     Text without markers is kept whole.
     """
     text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
-    if header := _HEADER_END.search(text):
-        text = text[header.end() :]
-    if footer := _FOOTER_START.search(text):
-        text = text[: footer.start()]
-    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+    headers = list(_HEADER_END.finditer(text))
+    ends = [h.start() for h in headers[1:]] + [len(text)] if headers else []
+    # Without a header: the text before the first footer (a file cut at its start).
+    books = [text[h.end() : end] for h, end in zip(headers, ends, strict=True)] or [text]
+    kept = []
+    for book in books:
+        if footer := _FOOTER_START.search(book):
+            book = book[: footer.start()]
+        kept.append("\n".join(line.rstrip() for line in book.split("\n")).strip("\n"))
+    return "\n\n".join(b for b in kept if b)
 
 
 def _read_text(path: str) -> str:
     raw = Path(path).read_bytes()
+    for bom, codec in _BOMS:  # Windows' "Unicode" text (PowerShell's >, Notepad)
+        if raw.startswith(bom):
+            return raw[len(bom) :].decode(codec, errors="replace")
+    if b"\x00" in raw[:65536]:  # no text encoding we read writes NUL; UTF-16 without a BOM does
+        raise ValueError(
+            f"{path}: holds NUL bytes, so it is not text we read (a binary file, or UTF-16/32 "
+            "without a byte-order mark): convert it to UTF-8 or leave it out of data.path"
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -141,6 +225,14 @@ def _read_text(path: str) -> str:
         return raw.decode("cp1252")  # old Gutenberg/Windows files: curly quotes, dashes
     except UnicodeDecodeError:
         return raw.decode("latin-1")  # cp1252 leaves 5 bytes undefined; latin-1 never fails
+
+
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),  # before UTF-16's, which it starts with
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -169,7 +261,7 @@ def _fingerprint(files: Sequence[str], vocab_size: int) -> dict:
 
 def _training_texts(files: Sequence[str], text_field: str) -> Iterator[str]:
     for f in files:
-        if Path(f).suffix in _LOADERS:  # the column pack() reads, not the file's syntax or bytes
+        if _suffix(f) in _LOADERS:  # the column pack() reads, not the file's syntax or bytes
             for batch in load_text_dataset(f, text_field=text_field).iter(batch_size=1024):
                 yield from (t for t in batch["text"] if t)
         else:
@@ -196,7 +288,7 @@ def train_tokenizer(
         raise ValueError(f"vocab_size={vocab_size}: must be at least {_MIN_VOCAB}")
     files = [str(f) for f in files]
     fingerprint = _fingerprint(files, vocab_size)
-    if any(Path(f).suffix in _LOADERS for f in files):
+    if any(_suffix(f) in _LOADERS for f in files):
         # In the saved fingerprint, not in the folder's name: tokenizer_dir() callers
         # do not know the text_field, and must still find this folder.
         fingerprint["text_field"] = text_field
@@ -245,8 +337,30 @@ def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
         ds = ds[split]
     if text_field not in ds.column_names:
         raise ValueError(f"text_field={text_field!r} not found; columns are {ds.column_names}")
+    if not _is_text(ds.features[text_field]):  # else a bare TypeError in the tokenizer
+        texts = [c for c in ds.column_names if _is_text(ds.features[c])]
+        raise ValueError(
+            f"text_field={text_field!r} holds {ds.features[text_field]}, not text; the text "
+            f"columns are {texts}"
+        )
     ds = ds.select_columns([text_field])
     return ds if text_field == "text" else ds.rename_column(text_field, "text")
+
+
+def _is_text(feature) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def _loaded(loader: str, files: list[str]):
+    """``datasets.Dataset.from_json``/``from_parquet`` of ``files``, cached under a key of
+    their sizes and mtimes in nanoseconds: ``datasets``' own cache is keyed by path and
+    mtime alone (to the second, where files are unpacked or copied with their times), and
+    gave a replaced file's old records."""
+    import datasets
+
+    key = hashlib.sha256(json.dumps(_file_stats(files)).encode()).hexdigest()[:16]
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "ds_diloco" / key
+    return getattr(datasets.Dataset, loader)(files, cache_dir=str(cache))
 
 
 def load_text_dataset(
@@ -257,9 +371,10 @@ def load_text_dataset(
 ) -> datasets.Dataset:
     """A ``datasets.Dataset`` with one column, ``"text"``, from local files or a dataset.
 
-    ``source`` is one or more local paths (``.txt``: one record per blank-line
-    separated paragraph, Gutenberg-cleaned; ``.json``/``.jsonl``/``.parquet``: the
-    ``text_field`` column; a folder: its ``*.txt`` files, or else a saved or
+    ``source`` is one or more local paths (``.json``/``.jsonl``/``.parquet``: the
+    ``text_field`` column; any other file, ``.txt`` say: one record per blank-line
+    separated paragraph, Gutenberg-cleaned; a folder: its ``*.txt`` files, else its
+    record files, of ``split`` where their names name splits, or else a saved or
     loadable dataset folder), or a name for ``datasets.load_dataset``. Local paths
     never reach the network.
     """
@@ -276,21 +391,25 @@ def load_text_dataset(
         raise ValueError(f"load_text_dataset: no such files {missing}")
     folder = Path(sources[0])
     saved = _saved_dataset(folder)
-    if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder)):
+    if len(sources) == 1 and folder.is_dir() and (saved or not _walk_corpus(folder)):
         ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
         return _text_column(ds, text_field, split)
 
-    files = [f for s in sources for f in find_text_files(s)]
-    if unknown := [f for f in files if Path(f).suffix not in {".txt", *_LOADERS}]:
-        raise ValueError(f"load_text_dataset: unsupported file types {unknown}")
+    files = [f for s in sources for f in find_text_files(s, split)]
     parts = []
-    if txt := [f for f in files if f.endswith(".txt")]:
+    if txt := [f for f in files if _suffix(f) not in _LOADERS]:
         paragraphs = [p for f in txt for p in _file_paragraphs(f)]
         parts.append(datasets.Dataset.from_dict({"text": paragraphs}))
-    for suffix, loader in _LOADERS.items():
-        if group := [f for f in files if Path(f).suffix == suffix]:
-            parts.append(_text_column(getattr(datasets.Dataset, loader)(group), text_field, split))
+    for loader in dict.fromkeys(_LOADERS.values()):
+        if group := [f for f in files if _LOADERS.get(_suffix(f)) == loader]:
+            parts.append(_text_column(_loaded(loader, group), text_field, split))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _walk_corpus(folder: Path) -> bool:
+    """Whether a folder holds text or record files (else it is a dataset folder of
+    another kind, loaded by ``datasets.load_dataset``)."""
+    return any(_suffix(f) in {".txt", *_LOADERS} for f in _walk(folder))
 
 
 ENCODE_BATCH = 1024
@@ -314,8 +433,8 @@ def text_batches(source: str | os.PathLike, *, text_field: str = "text",
     holds all of it (the dataset of their paragraphs did: several times their size); other
     sources come through their dataset, which ``datasets`` keeps memory-mapped."""
     local = os.path.exists(source) and not _saved_dataset(source)
-    files = _corpus_files(Path(source)) if local else []
-    if not (files and all(f.endswith(".txt") for f in files)):
+    files = _corpus_files(Path(source), split) if local else []
+    if not (files and not any(_suffix(f) in _LOADERS for f in files)):
         yield from _batches(load_text_dataset(source, text_field=text_field, split=split))
         return
     for f in files:
@@ -396,6 +515,7 @@ def write_tokens(
     dtype = token_dtype(tokenizer)
     top = np.iinfo(dtype).max
     path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_partial(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     count = 0
     t0 = reported = time.monotonic()
@@ -423,6 +543,20 @@ def write_tokens(
         raise
     log.info("tokenised %s tokens into %s in %.1f s", f"{count:,}", path, time.monotonic() - t0)
     return count
+
+
+PARTIAL_STALE_S = 3600.0
+"""A partial token file not written to for this long was left by a killed process."""
+
+
+def _sweep_partial(path: Path) -> None:
+    """Remove the partial files of ``path`` that killed writers left (each a share of the
+    corpus's size, one per kill); a live writer's is written to every few seconds."""
+    for old in path.parent.glob(f".{path.name}.*"):
+        with contextlib.suppress(OSError):  # another rank swept it first
+            if time.time() - old.stat().st_mtime > PARTIAL_STALE_S:
+                old.unlink()
+                log.info("removed %s, a partial token file left by a killed process", old)
 
 
 def read_blocks(path: str | os.PathLike, seq_len: int, dtype: np.dtype | str) -> Blocks:
@@ -730,11 +864,15 @@ def prepare_corpus(
     local = os.path.exists(source)
     if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
         raise ValueError(f"data.path {str(source)!r} does not exist")
-    saved = local and _saved_dataset(source)
-    files = _corpus_files(Path(source)) if local and not saved else []
     cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / CACHE_MARK).touch()  # before the corpus is listed: a cache inside it is left out
+    saved = local and _saved_dataset(source)
+    files = _corpus_files(Path(source), split) if local and not saved else []
     if files:
         corpus = _fingerprint(files, vocab_size)
+        if tokenizer is not None:  # the tokenizer's own vocabulary: the key is its content
+            del corpus["vocab_size"]
     elif local:  # a dataset folder: rewriting it in place must change the key
         corpus = {"version": _FINGERPRINT_VERSION, "files": _file_stats(_data_files(source, cache))}
     else:  # a hub dataset name: keyed by name
@@ -745,12 +883,25 @@ def prepare_corpus(
     elif files:
         out = _tokenizer_dir(cache, files, vocab_size, text_field)
         tok = train_tokenizer(files, vocab_size, out, text_field=text_field)
-    else:
+    elif local:
         raise ValueError(
             f"data.path {str(source)!r} holds no local text files to train a tokenizer on: "
             "set data.tokenizer to a tokenizer folder"
         )
-    key = {**corpus, "text_field": text_field, **({"split": split} if split != "train" else {})}
+    else:
+        raise ValueError(
+            f"data.path {str(source)!r} is not a file or folder here (from {os.getcwd()!r}; "
+            "relative paths in a config file are taken from the file's folder), and as the "
+            "name of a Hugging Face dataset it needs data.tokenizer: a tokenizer is trained "
+            "only on local text"
+        )
+    # What changes the tokens: a record file's column, a dataset's split (a folder's split
+    # is the files listed, in the corpus's key already).
+    key = dict(corpus)
+    if not files or any(_suffix(f) in _LOADERS for f in files):
+        key["text_field"] = text_field
+    if not files and split != "train":
+        key["split"] = split
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     dtype = token_dtype(tok)
     path = cache / f"tokens-{key}.{dtype.name}"  # any seq_len reads the same tokens
@@ -786,15 +937,23 @@ def _tokenizer_hash(tok) -> str:
 
 def tokenizer_dir(
     cache_dir: str | os.PathLike, source: str | os.PathLike, vocab_size: int,
-    text_field: str = "text",
+    text_field: str = "text", split: str = "train",
 ) -> Path:  # fmt: skip
     """Where :func:`prepare_corpus` keeps the tokenizer it trained for ``source``."""
-    return _tokenizer_dir(cache_dir, find_text_files(source), vocab_size, text_field)
+    return _tokenizer_dir(cache_dir, find_text_files(source, split), vocab_size, text_field)
+
+
+def section_tokenizer(d: DataConfig) -> str:
+    """The tokenizer folder a ``data`` section's blocks were made with: its own, or the one
+    :func:`prepare_section` trained (what an export ships)."""
+    if d.tokenizer:
+        return d.tokenizer
+    return str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field, d.split))
 
 
 def _tokenizer_dir(cache_dir, files: Sequence[str], vocab_size: int, text_field: str) -> Path:
     key = _fingerprint(files, vocab_size)
-    if any(Path(f).suffix in _LOADERS for f in files):  # another column: another tokenizer
+    if any(_suffix(f) in _LOADERS for f in files):  # another column: another tokenizer
         key["text_field"] = text_field  # (it was retrained in place, and shipped with
         # the models of the runs that had trained on the first one)
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]

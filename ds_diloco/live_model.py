@@ -70,13 +70,13 @@ class PeriodicExport(EveryMerges):
         self.done: list[str] = []
 
     def work(self, merges: int) -> None:
-        from ds_diloco.data import tokenizer_dir
+        from ds_diloco.data import section_tokenizer
         from ds_diloco.export import export
         from ds_diloco.model_card import RunSummary
         from ds_diloco.run import card_settings
 
         d = self.cfg.data
-        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
+        tok = section_tokenizer(d)
         out = self.lr.workdir / "exports" / f"merges-{merges}"
         try:
             settings = RunSummary.from_json(card_settings(self.cfg))  # the card's run settings

@@ -1176,7 +1176,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         check_source,
         heldout_split,
         prepare_section,
-        tokenizer_dir,
+        section_tokenizer,
     )  # fmt: skip
     from ds_diloco.export import check_out_folder, export
 
@@ -1236,7 +1236,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = g = None
     if cfg.export and code == 0:  # from the state dir: its generation config comes along
-        tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
+        tok = section_tokenizer(d)
         export_dir = lr.workdir / "export"
         g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)

@@ -24,7 +24,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_diloco.config import load_island_config, load_run_config
+from ds_diloco.config import load_data_config, load_island_config, load_run_config
 from ds_diloco.convert import SMOLLM2_INSTALL
 from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
 from ds_diloco.hf_model import lm_loss
@@ -75,6 +75,12 @@ def test_the_run_file_fine_tunes_with_the_pretrained_models_tokenizer(tmp_path):
     (tmp_path / "island.json").write_text(json.dumps(island))
     assert '"lr": 3e-05' in (tmp_path / "island.json").read_text()
     assert load_island_config(tmp_path / "island.json").train.lr == 3e-05
+    # An island file, and the data section `ds-diloco eval --data` reads, take the pretrained
+    # model's tokenizer too: they trained a BPE, whose ids the model read without an error.
+    assert load_island_config(tmp_path / "island.json").data.tokenizer == str(model)
+    assert load_data_config(tmp_path / "island.json").tokenizer == str(model)
+    assert load_data_config(tmp_path / "run.yaml").tokenizer == str(model)
+    assert load_data_config(tmp_path / "b.yaml").tokenizer is None
     text = RUN_FILE.read_text().replace("3.0e-5", "3e-5")
     text = text.replace("../.cache/smollm2-135m-instruct", str(model))
     text = text.replace("../model_configs/", f"{REPO / 'model_configs'}/")

@@ -307,7 +307,7 @@ def _with_workdir(cfg: RunConfig, workdir: Path, **train) -> RunConfig:
 
 def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout) -> dict:
     """One Decoupled DiLoCo run, under ``schedule`` if given; its figures."""
-    from ds_diloco.data import tokenizer_dir
+    from ds_diloco.data import section_tokenizer
     from ds_diloco.export import export_model, load_global_tensors
 
     label = "chaos" if schedule else "reference"
@@ -351,7 +351,7 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     config, tensors = load_global_tensors(cfg.coordinator.state_dir)
     finite = all(bool(t.isfinite().all()) for t in tensors.values())
     d = cfg.data
-    tok = d.tokenizer or str(tokenizer_dir(d.cache_dir, d.path, d.vocab_size, d.text_field))
+    tok = section_tokenizer(d)
     export = export_model(config, tensors, workdir / "export", tokenizer=tok)
     quality = evaluate(cfg, Path(export), heldout)
     quality.pop("sample", None)

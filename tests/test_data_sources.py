@@ -1,0 +1,173 @@
+"""What a corpus's files give: splits named by file names, encodings, several books in a
+file, files of any name, caches that must (and must not) be used again."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import datasets
+import pytest
+
+from ds_diloco import data
+from ds_diloco.config import load_data_config
+
+SONNETS = Path(__file__).parent / "data" / "sonnets.txt"
+VOCAB = 512
+LINES = [f"Line {i} of a record, with words enough to train on." for i in range(40)]
+
+
+@pytest.fixture(autouse=True)
+def _private_datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+def _jsonl(path: Path, texts, field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def _texts(source, **kw) -> list[str]:
+    return list(data.load_text_dataset(source, **kw)["text"])
+
+
+def test_several_books_in_one_file_each_keep_their_text():
+    # Only the first book was kept: the text after its footer (the next books) was cut.
+    book = (
+        "*** START OF THE PROJECT GUTENBERG EBOOK {0} ***\n{0} body.\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK {0} ***\nLicence of {0}.\n"
+    )
+    text = "Header licence.\n" + "".join(book.format(b) for b in ("HAMLET", "MACBETH", "LEAR"))
+    assert data.clean_gutenberg(text) == "HAMLET body.\n\nMACBETH body.\n\nLEAR body."
+
+
+def test_a_folders_file_names_name_its_splits(tmp_path):
+    # data.split was ignored for a local folder: test.jsonl was trained on with train.jsonl.
+    folder = tmp_path / "records"
+    _jsonl(folder / "train.jsonl", ["train one", "train two"])
+    _jsonl(folder / "test.jsonl", ["test one"])
+    assert _texts(folder) == ["train one", "train two"]
+    assert _texts(folder, split="test") == ["test one"]
+    with pytest.raises(ValueError, match=r"split 'validation' not found .* \['test', 'train'\]"):
+        _texts(folder, split="validation")
+    # Folders name them too (datasets' convention); a folder naming none is all train.
+    (tmp_path / "by_dir" / "train").mkdir(parents=True)
+    (tmp_path / "by_dir" / "valid").mkdir()
+    (tmp_path / "by_dir" / "train" / "a.txt").write_text("Trained on.")
+    (tmp_path / "by_dir" / "valid" / "b.txt").write_text("Held for validation.")
+    assert _texts(tmp_path / "by_dir") == ["Trained on."]
+    assert _texts(tmp_path / "by_dir", split="validation") == ["Held for validation."]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "devon.txt").write_text("Not a split's name.")
+    assert _texts(plain) == ["Not a split's name."]
+    with pytest.raises(ValueError, match=r"data.split 'test': no file or folder .* names a split"):
+        _texts(plain, split="test")
+    # The tokens of each split are their own, and the tokenizer is trained on the split asked.
+    cache = tmp_path / "cache"
+    tok, train = data.prepare_corpus(folder, cache, 300, 2)
+    test_tok, test = data.prepare_corpus(folder, cache, 300, 2, split="test")
+    assert tok.decode(train.tensor().flatten().tolist()).startswith("train one")
+    assert test_tok.decode(test.tensor().flatten().tolist()).startswith("test one")
+
+
+def test_files_of_any_name_are_text_and_record_files_of_another_kind_are_refused(tmp_path):
+    # BOOK.TXT, a file with no suffix: a tokenizer was trained on them, then they were refused.
+    for name in ("BOOK.TXT", "input"):
+        (tmp_path / name).write_text("A paragraph.\n\nAnother one.")
+        assert _texts(tmp_path / name) == ["A paragraph.", "Another one."]
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    (upper / "A.TXT").write_text("Found in a folder too.")
+    assert _texts(upper) == ["Found in a folder too."]
+    (tmp_path / "x.csv").write_text("id,text\n1,hello\n")
+    with pytest.raises(ValueError, match=r"x.csv'?: a \.csv file is not read as a corpus"):
+        data.prepare_corpus(tmp_path / "x.csv", tmp_path / "cache", 300, 4)
+    assert not list((tmp_path / "cache").glob("tokenizer-*"))  # refused before any training
+
+
+def test_utf16_text_is_read_and_nul_bytes_are_refused(tmp_path):
+    # Windows' "Unicode" text was read as cp1252: 'ÿþH\x00e\x00l...' trained on.
+    (tmp_path / "utf16.txt").write_bytes("Hello wörld.".encode("utf-16"))  # with its BOM
+    assert _texts(tmp_path / "utf16.txt") == ["Hello wörld."]
+    (tmp_path / "utf32.txt").write_bytes("Hello wörld.".encode("utf-32"))
+    assert _texts(tmp_path / "utf32.txt") == ["Hello wörld."]
+    (tmp_path / "bare.txt").write_bytes("Hello.".encode("utf-16-le"))  # no BOM
+    with pytest.raises(ValueError, match=r"bare.txt: holds NUL bytes"):
+        _texts(tmp_path / "bare.txt")
+
+
+def test_a_non_text_column_is_refused_naming_the_text_columns(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user"}], "body": "hi", "n": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"text_field='n' holds .*int.*, not text; .*\['body'\]"):
+        _texts(path, text_field="n")
+    with pytest.raises(ValueError, match=r"text_field='messages' holds .* not text"):
+        _texts(path, text_field="messages")
+
+
+def test_a_replaced_record_file_is_read_again_even_with_the_same_mtime(tmp_path):
+    # datasets' own cache is keyed by path and mtime: a file unpacked or copied with its
+    # times (the same second) gave the old records.
+    path = _jsonl(tmp_path / "r.jsonl", ["old text"])
+    assert _texts(path) == ["old text"]
+    st = path.stat()
+    _jsonl(path, ["the new, longer text"])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _texts(path) == ["the new, longer text"]
+
+
+def test_a_cache_inside_the_corpus_folder_is_not_read_as_corpus(tmp_path):
+    # Its tokenizer.json was read as records: "Expected object or value".
+    folder = tmp_path / "records"
+    _jsonl(folder / "part.jsonl", LINES)
+    _, blocks = data.prepare_corpus(folder, folder / "cache", 300, 8)
+    _, again = data.prepare_corpus(folder, folder / "cache", 300, 8)
+    assert again.tensor().equal(blocks.tensor())
+    assert [f.name for f in data._walk(folder)] == ["part.jsonl"]
+
+
+def test_the_tokens_are_kept_where_an_option_does_not_change_them(tmp_path):
+    # vocab_size with a tokenizer given, text_field and split of a .txt corpus: each wrote
+    # another token file of the same tokens (hours on a large corpus).
+    tok_dir = tmp_path / "tok"
+    data.train_tokenizer([SONNETS], VOCAB, tok_dir)
+    cache = tmp_path / "cache"
+    for vocab, field in ((VOCAB, "text"), (VOCAB * 2, "text"), (VOCAB, "body")):
+        data.prepare_corpus(SONNETS, cache, vocab, 16, tokenizer=tok_dir, text_field=field)
+    data.prepare_corpus(SONNETS, cache, VOCAB, 16, text_field="text")
+    data.prepare_corpus(SONNETS, cache, VOCAB, 16, text_field="body")
+    assert len(list(cache.glob("tokens-*"))) == 2  # the given tokenizer's, the trained one's
+
+
+def test_a_killed_writers_partial_token_file_is_swept(tmp_path):
+    tok = data.train_tokenizer([SONNETS], VOCAB, tmp_path / "tok")
+    target = tmp_path / "cache" / "tokens-x.uint16"
+    target.parent.mkdir()
+    stale, live = target.parent / f".{target.name}.dead", target.parent / f".{target.name}.live"
+    stale.write_bytes(b"\0" * 64)
+    live.write_bytes(b"\0" * 64)
+    old = time.time() - data.PARTIAL_STALE_S - 60
+    os.utime(stale, (old, old))
+    data.write_tokens([["some text"]], tok, target)
+    assert target.is_file() and not stale.exists() and live.exists()
+
+
+def test_paths_take_the_home_folder_and_a_missing_relative_path_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus").mkdir()
+    run = tmp_path / "conf" / "island.yaml"
+    run.parent.mkdir()
+    run.write_text("data: {path: ~/corpus, cache_dir: ~/.cache/ds}\n")
+    d = load_data_config(run)
+    assert (d.path, d.cache_dir) == (str(tmp_path / "corpus"), str(tmp_path / ".cache/ds"))
+    monkeypatch.chdir(tmp_path)
+    # A mistyped folder was taken for a dataset name: "set data.tokenizer", the wrong advice.
+    with pytest.raises(ValueError, match=r"'data/shakespear' is not a file or folder here"):
+        data.prepare_corpus("data/shakespear", tmp_path / "cache", 300, 8)
