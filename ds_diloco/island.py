@@ -12,6 +12,7 @@ Rank 0 writes progress records (``progress.jsonl``) and every rank a summary
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -197,6 +198,17 @@ def _resident_mb() -> tuple[float | None, float | None]:
         return None, None
 
 
+@contextlib.contextmanager
+def _launch_failure(island: str, rank: int):
+    """A ValueError raised while training is a failure of this launch, not of its input: the
+    CLI's one line and exit status 2 for a ValueError ("config or input error") had
+    ``ds-diloco run`` give the island up for good, where a restart goes on."""
+    try:
+        yield
+    except ValueError as e:
+        raise RuntimeError(f"island {island!r} rank {rank}: {e}") from e
+
+
 def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     """Train one rank; ``plain`` runs the same loop as plain ZeRO-3 (the benchmark's baseline)."""
     # A rank stuck in one phase of its start-up exits, its stacks in the log: nothing else
@@ -261,123 +273,132 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
     step_rss_mb, step_anon_mb = [], []
     slow = _FaultHook(workdir, rank)
     gc_tuning.resume_after_setup()  # the same in both modes, before the first timed step
-    # A rank stuck from here to the last step exits, its stacks in the log (a frozen peer
-    # holds every rank in the next collective, so each one's watch sees it).
-    with StallExit(t.stall_exit_s) as stall:
-        if stall.armed and rank == 0:  # what a "Timeout (...)!" further down this log means
-            log.info("island %s: a rank whose step takes over %g s (train.stall_exit_s) writes "
-                     "its stacks here and exits", cfg.island, t.stall_exit_s)  # fmt: skip
-        t_start, loop_start = time.perf_counter(), _in_loop(learner)
-        for step in range(start_step + 1, t.steps + 1):
-            stall.beat()
-            t0 = time.perf_counter()
-            slow.wait()
-            losses = []
-            for _ in range(t.grad_accum):  # DeepSpeed steps AdamW after the last one
-                input_ids, labels = (x.to(engine.device) for x in next(loader))
-                loss = lm_loss(engine, input_ids, labels)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach())
-            batches += t.grad_accum
-            loss = sum(losses) / len(losses)  # the step's mean, for the progress records
-            if t.step_delay_s:
-                time.sleep(t.step_delay_s)
-            t1 = time.perf_counter()
-            mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
-            tokens += mine * world
-            on = learner_steps_at(step, t.sync_blocks, t.sync_blocks_off_first)
-            applied = learner.step(tokens=mine, sync=on)
-            t2 = time.perf_counter()
-            step_s += t1 - t0
-            sync_s += t2 - t1
-            sync_max_s = max(sync_max_s, t2 - t1)
-            step_times.append(t2 - t0)
-            rss_mb, anon_mb = _resident_mb()
-            step_rss_mb.append(rss_mb)
-            step_anon_mb.append(anon_mb)
-            record = None
-            evaluate = t.eval_every and step % t.eval_every == 0
-            if step % t.log_every == 0 or step == t.steps or evaluate:  # a whole record each
-                record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
-                          "tokens": tokens, "versions": learner.versions(), "applied": applied,
-                          "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
-            if evaluate:
-                record["heldout_loss"] = heldout_loss(
-                    engine, heldout, t.micro_batch, t.eval_batches
-                )
-            if record and progress:
-                progress.write(json.dumps(record) + "\n")
-                progress.flush()
-            # The last step too: a finished run resumed with more steps goes on from its end
-            # (it repeated the steps after its last periodic checkpoint).
-            if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-                if not zero.model_finite(engine):  # a restart must not resume a diverged state
-                    raise Diverged(
-                        f"island {cfg.island!r} rank {rank}: its model is not finite (NaN, Inf or "
-                        f"values whose squares overflow float32) at step {step}: not checkpointed "
-                        "(a restart resumes the last checkpoint, saved while it was, and takes "
-                        "the global model)"
+    # From here a ValueError is this launch failing, not its config: restarted, not given up.
+    with _launch_failure(cfg.island, rank):
+        # A rank stuck from here to the last step exits, its stacks in the log (a frozen peer
+        # holds every rank in the next collective, so each one's watch sees it).
+        with StallExit(t.stall_exit_s) as stall:
+            if stall.armed and rank == 0:  # what a "Timeout (...)!" further down this log means
+                log.info("island %s: a rank whose step takes over %g s (train.stall_exit_s) writes "
+                         "its stacks here and exits", cfg.island, t.stall_exit_s)  # fmt: skip
+            t_start, loop_start = time.perf_counter(), _in_loop(learner)
+            for step in range(start_step + 1, t.steps + 1):
+                stall.beat()
+                t0 = time.perf_counter()
+                slow.wait()
+                losses = []
+                for _ in range(t.grad_accum):  # DeepSpeed steps AdamW after the last one
+                    input_ids, labels = (x.to(engine.device) for x in next(loader))
+                    loss = lm_loss(engine, input_ids, labels)
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.detach())
+                batches += t.grad_accum
+                loss = sum(losses) / len(losses)  # the step's mean, for the progress records
+                if t.step_delay_s:
+                    time.sleep(t.step_delay_s)
+                t1 = time.perf_counter()
+                mine = input_ids.numel() * t.grad_accum  # fixed-size blocks: the same on every rank
+                tokens += mine * world
+                on = learner_steps_at(step, t.sync_blocks, t.sync_blocks_off_first)
+                applied = learner.step(tokens=mine, sync=on)
+                t2 = time.perf_counter()
+                step_s += t1 - t0
+                sync_s += t2 - t1
+                sync_max_s = max(sync_max_s, t2 - t1)
+                step_times.append(t2 - t0)
+                rss_mb, anon_mb = _resident_mb()
+                step_rss_mb.append(rss_mb)
+                step_anon_mb.append(anon_mb)
+                record = None
+                evaluate = t.eval_every and step % t.eval_every == 0
+                if step % t.log_every == 0 or step == t.steps or evaluate:  # a whole record each
+                    record = {"island": cfg.island, "step": step, "loss": round(loss.item(), 4),
+                              "tokens": tokens, "versions": learner.versions(), "applied": applied,
+                              "seconds": round(time.perf_counter() - t_start, 2)}  # fmt: skip
+                if evaluate:
+                    record["heldout_loss"] = heldout_loss(
+                        engine, heldout, t.micro_batch, t.eval_batches
                     )
-                state = {"step": step, "tokens": tokens, "batches": batches, "rows": loader.rows}
-                with stall.paused():  # as long as the disk takes
-                    zero.save_checkpoint(engine, ckpt_dir, step, state)
-    wall = time.perf_counter() - t_start
-    loop_stats = {k: v - loop_start[k] for k, v in _in_loop(learner).items()}
-    learner.close(leave=True)  # done for good: no quorum should count on this island now
-    end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
-    summary = {
-        "island": cfg.island,
-        "rank": rank,
-        "world_size": world,
-        "steps": t.steps,
-        "start_step": start_step,
-        "optimizer_steps": engine.global_steps,  # one per inner step, whatever grad_accum
-        "lr_end": engine.get_lr()[0],  # the schedule's last value
-        "tokens": tokens,
-        "batches": batches,  # micro-batches this rank's data has given, resumed launches included
-        "data_rows": loader.rows,  # the island's place in its data walk (blocks all ranks took)
-        "wall_s": round(wall, 2),
-        "start_wait_s": round(waited_s, 3),
-        "train_s": round(step_s, 3),
-        "sync_s": round(sync_s, 4),
-        "sync_max_s": round(sync_max_s, 4),
-        "versions": learner.versions(),
-        "step_s_median": statistics.median(step_times),
-        "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
-        "setup_anon_mb": setup_anon_mb,  # of it, anonymous: the process's own data
-        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "step_rss_mb": step_rss_mb,  # after each step
-        "step_anon_mb": step_anon_mb,
-        # Imported once the engine was built: bench island compares the two modes' lists (a
-        # module that only the syncer's path loads is memory that plain ZeRO-3 does not hold).
-        "modules_loaded": sorted(set(sys.modules) - modules_before),
-        "peak_gpu_mb": (
-            round(torch.cuda.max_memory_allocated() / 2**20, 1)
-            if engine.device.type == "cuda"
-            else None
-        ),
-        "shard_fp32_mb": round(
-            sum(4 * shard_numel(p.ds_numel, world, rank) for p in engine.module.parameters())
-            / 2**20,
-            3,
-        ),
-        "finished_at": time.time(),
-        "heldout_loss_start": start_loss,
-        "heldout_loss_end": end_loss,
-        "stats": vars(learner.stats) if learner.stats else None,
-        # Of those timers, what ran inside the loop's sync part: the breakdown of sync_s.
-        "loop_stats": loop_stats or None,
-        "plain": plain,
-        "sync_blocks": t.sync_blocks,  # bench island's paired launches
-        "sync_blocks_off_first": t.sync_blocks_off_first,
-    }
-    (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))
-    if progress:
-        progress.write(json.dumps({"island": cfg.island, "done": True, **summary}) + "\n")
-        progress.close()
-    zero.barrier()
-    zero.shutdown()
-    return summary
+                if record and progress:
+                    progress.write(json.dumps(record) + "\n")
+                    progress.flush()
+                # The last step too: a finished run resumed with more steps goes on from its end
+                # (it repeated the steps after its last periodic checkpoint).
+                if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+                    if not zero.model_finite(engine):  # a restart must not resume a diverged state
+                        raise Diverged(
+                            f"island {cfg.island!r} rank {rank}: its model is not finite (NaN, Inf or "
+                            f"values whose squares overflow float32) at step {step}: not checkpointed "
+                            "(a restart resumes the last checkpoint, saved while it was, and takes "
+                            "the global model)"
+                        )
+                    state = {
+                        "step": step,
+                        "tokens": tokens,
+                        "batches": batches,
+                        "rows": loader.rows,
+                    }
+                    with stall.paused():  # as long as the disk takes
+                        zero.save_checkpoint(engine, ckpt_dir, step, state)
+        wall = time.perf_counter() - t_start
+        loop_stats = {k: v - loop_start[k] for k, v in _in_loop(learner).items()}
+        learner.close(leave=True)  # done for good: no quorum should count on this island now
+        end_loss = heldout_loss(engine, heldout, t.micro_batch, t.eval_batches)
+        summary = {
+            "island": cfg.island,
+            "rank": rank,
+            "world_size": world,
+            "steps": t.steps,
+            "start_step": start_step,
+            "optimizer_steps": engine.global_steps,  # one per inner step, whatever grad_accum
+            "lr_end": engine.get_lr()[0],  # the schedule's last value
+            "tokens": tokens,
+            "batches": batches,  # micro-batches this rank's data has given, resumed launches included
+            "data_rows": loader.rows,  # the island's place in its data walk (blocks all ranks took)
+            "wall_s": round(wall, 2),
+            "start_wait_s": round(waited_s, 3),
+            "train_s": round(step_s, 3),
+            "sync_s": round(sync_s, 4),
+            "sync_max_s": round(sync_max_s, 4),
+            "versions": learner.versions(),
+            # None for a launch that trained no step: one restarted from its last step's
+            # checkpoint (its summary lost with a rank in the final flush) only leaves.
+            "step_s_median": statistics.median(step_times) if step_times else None,
+            "step_times_s": [round(s, 5) for s in step_times],  # the benchmark drops warm-up steps
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "setup_rss_mb": setup_rss_mb,  # before the first step: engine, data, syncer built
+            "setup_anon_mb": setup_anon_mb,  # of it, anonymous: the process's own data
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+            "step_rss_mb": step_rss_mb,  # after each step
+            "step_anon_mb": step_anon_mb,
+            # Imported once the engine was built: bench island compares the two modes' lists (a
+            # module that only the syncer's path loads is memory that plain ZeRO-3 does not hold).
+            "modules_loaded": sorted(set(sys.modules) - modules_before),
+            "peak_gpu_mb": (
+                round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                if engine.device.type == "cuda"
+                else None
+            ),
+            "shard_fp32_mb": round(
+                sum(4 * shard_numel(p.ds_numel, world, rank) for p in engine.module.parameters())
+                / 2**20,
+                3,
+            ),
+            "finished_at": time.time(),
+            "heldout_loss_start": start_loss,
+            "heldout_loss_end": end_loss,
+            "stats": vars(learner.stats) if learner.stats else None,
+            # Of those timers, what ran inside the loop's sync part: the breakdown of sync_s.
+            "loop_stats": loop_stats or None,
+            "plain": plain,
+            "sync_blocks": t.sync_blocks,  # bench island's paired launches
+            "sync_blocks_off_first": t.sync_blocks_off_first,
+        }
+        (workdir / f"summary-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        if progress:
+            progress.write(json.dumps({"island": cfg.island, "done": True, **summary}) + "\n")
+            progress.close()
+        zero.barrier()
+        zero.shutdown()
+        return summary

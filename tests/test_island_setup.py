@@ -11,7 +11,7 @@ import math
 import pytest
 
 from ds_diloco.config import DataConfig, IslandConfig, ModelSource, TrainConfig
-from ds_diloco.island import deepspeed_config, lr_multiplier
+from ds_diloco.island import _launch_failure, deepspeed_config, lr_multiplier
 
 
 def island(tmp_path, tiny_config_path, ds: dict, **train) -> IslandConfig:
@@ -76,3 +76,12 @@ def test_the_learning_rate_warms_up_then_stays_or_follows_half_a_cosine(tmp_path
     assert [lr_multiplier(no_warmup, s) for s in range(4)] == pytest.approx(
         [0.5 * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3, 4)]
     )
+
+
+def test_a_value_error_while_training_is_a_failure_of_the_launch_not_of_its_input():
+    # The CLI answers a ValueError with exit status 2, "config or input error", which
+    # `ds-diloco run` does not restart: one raised in the loop gave the island up for good.
+    failing = pytest.raises(RuntimeError, match=r"island 'a' rank 1: no median")
+    with failing as caught, _launch_failure("a", 1):
+        raise ValueError("no median for empty data")
+    assert not isinstance(caught.value, ValueError)

@@ -223,6 +223,15 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
 
+    # A rank lost in the final flush, after its last checkpoint: the island is started again
+    # at its last step, trains none and leaves. It failed on the empty list of its step
+    # times, with exit status 2, and was given up: "islands failed".
+    (workdir / "islands" / "a" / "summary-rank0.json").unlink()
+    again = ds_diloco_run(run_file, "--resume")
+    assert again.returncode == 0, logs(workdir, again.stdout + again.stderr)
+    island = json.loads((workdir / "summary.json").read_text())["islands"]["a"]
+    assert (island["start_step"], island["steps"], island["step_s_median"]) == (6, 6, None)
+
     # ... with 2 micro-batches per step from now on: the data goes on after the 6 batches
     # read, not after 6 x 2 (the checkpoint says how many were read).
     run["train"].update(steps=8, grad_accum=2)
@@ -233,7 +242,7 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     assert leftovers.strip() == "", leftovers
     lines = (workdir / "islands" / "a" / "progress.jsonl").read_text().splitlines()
     starts = [r for line in lines if "started_at" in (r := json.loads(line))]
-    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True)], starts
+    assert [(r["step"], r["resumed"]) for r in starts] == [(0, False), (6, True), (6, True)]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from"] == {"a": {"step": 6, "started_step": 6}}
     island = summary["islands"]["a"]
