@@ -1022,6 +1022,10 @@ def _island_train(islands, train):
     return out
 
 
+def _default(cls, name: str):
+    return cls.__dataclass_fields__[name].default
+
+
 def load_data_config(path: str | os.PathLike) -> DataConfig:
     """The ``data`` section of a run or island file (its paths relative to the file)."""
     data = _resolve_paths(load_file(path), Path(path).resolve().parent, FILE_PATHS)
@@ -1038,7 +1042,14 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     data = _resolve_paths(load_file(path), base, FILE_PATHS)
     if "model" not in data:  # else the coordinator's default model would be named
         raise ValueError("model: missing; a run needs model.pretrained or model.config")
-    workdir = data.get("workdir", "runs/run")
+    # Outputs the file leaves out go to their defaults in the working directory, written
+    # absolute: the islands' and the coordinator's own files (island.json, coordinator.json)
+    # take relative paths from their own folders (islands/a/runs/run/islands/a/...).
+    data.setdefault("workdir", str(Path(_default(RunConfig, "workdir")).resolve()))
+    if isinstance(data.get("data"), dict) and "cache_dir" not in data["data"]:
+        cache = str(Path(_default(DataConfig, "cache_dir")).resolve())
+        data["data"] = {**data["data"], "cache_dir": cache}
+    workdir = data["workdir"]
     if not isinstance(workdir, str):
         raise ValueError(f"workdir: expected str, got {workdir!r}")
     coord = data.get("coordinator", {})

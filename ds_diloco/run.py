@@ -308,10 +308,7 @@ class LocalRun:
         c = self.cfg.coordinator
         # A restarted coordinator must come back where the islands look for it.
         port = self._port = getattr(self, "_port", None) or c.port or free_port()
-        coord = {**plain_dict(c), "port": port, "token": None}
-        coord.pop("token")
-        path = self.workdir / "coordinator.json"
-        path.write_text(json.dumps(coord, indent=1))
+        path = self.write_coordinator_config(port)
         if self.token_file is not None and _read_token(self.token_file) != self.token:
             atomic_write(self.token_file, self.token.encode())  # mode 0600 (mkstemp)
         # Appended: a restart (or --resume) must not erase why the last one died.
@@ -374,22 +371,48 @@ class LocalRun:
         url = self.island_urls.get(island, self.url)
         return self.cfg.coordinator.tls_cert if url.startswith("https://") else None
 
+    def write_coordinator_config(self, port: int) -> Path:
+        """The coordinator's config as it is started: workdir/coordinator.json, its paths
+        absolute, as for the islands (the file's relative paths are its folder's)."""
+        c = self.cfg.coordinator
+        coord = {**plain_dict(c), "port": port, "token": None}
+        coord.pop("token")
+        coord["state_dir"] = str(Path(c.state_dir).resolve())
+        coord["model"] = {k: str(Path(v).resolve()) if k in ("pretrained", "config")
+                          and isinstance(v, str) and os.path.exists(v) else v for k, v in coord["model"].items()}  # fmt: skip
+        path = self.workdir / "coordinator.json"
+        path.write_text(json.dumps(coord, indent=1))
+        return path
+
+    def write_island_config(self, spec, shard: int, num_shards: int, plain: bool) -> Path:
+        """The island's config, written as islands/NAME/island.json (what its ranks load).
+
+        Its paths absolute: an island file's relative paths are taken from the file's folder,
+        and the run's defaults are relative to the working directory (a run file without
+        ``workdir`` or ``data.cache_dir`` had its islands write their summaries, and
+        tokenise the corpus, under islands/NAME/runs/run/... and islands/NAME/.cache/...)."""
+        d = (self.workdir / "islands" / spec.name).resolve()
+        d.mkdir(parents=True, exist_ok=True)
+        data = dataclasses.replace(
+            self.cfg.data, cache_dir=str(Path(self.cfg.data.cache_dir).resolve())
+        )
+        icfg = IslandConfig(
+            island=spec.name,
+            coordinator_url=self.island_urls.get(spec.name, self.url or "http://127.0.0.1:9"),
+            model=self.cfg.model, deepspeed_config=str(Path(self.cfg.deepspeed_config).resolve()),
+            data=data, train=self.cfg.train_of(spec), shard=shard, num_shards=num_shards,
+            workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
+            connect_timeout_s=ISLAND_CONNECT_S, coordinator_ca=self._coordinator_ca(spec.name),
+        )  # fmt: skip
+        (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
+        return d / "island.json"
+
     def start_island(self, spec, shard: int, num_shards: int, plain: bool = False):
         """One island through the deepspeed launcher, in its own process group.
 
         ``plain`` runs the same job as plain ZeRO-3, without the coordinator (benchmarks).
         """
-        d = self.workdir / "islands" / spec.name
-        d.mkdir(parents=True, exist_ok=True)
-        icfg = IslandConfig(
-            island=spec.name,
-            coordinator_url=self.island_urls.get(spec.name, self.url or "http://127.0.0.1:9"),
-            model=self.cfg.model, deepspeed_config=self.cfg.deepspeed_config,
-            data=self.cfg.data, train=self.cfg.train_of(spec), shard=shard, num_shards=num_shards,
-            workdir=str(d), start_together=0 if plain else len(self.cfg.islands),
-            connect_timeout_s=ISLAND_CONNECT_S, coordinator_ca=self._coordinator_ca(spec.name),
-        )  # fmt: skip
-        (d / "island.json").write_text(json.dumps(plain_dict(icfg), indent=1))
+        d = self.write_island_config(spec, shard, num_shards, plain).parent
         port = spec.master_port or free_port()
         slots = self._slots_for_launch(spec)
         cmd = [*launcher_cmd(spec, port, slots), "--module", "ds_diloco.cli", "island"]

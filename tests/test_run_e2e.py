@@ -766,6 +766,35 @@ def test_local_islands_skip_the_runner_with_the_world_info_it_would_build(includ
     assert "--master_port=29500" in cmd
 
 
+def test_a_run_files_default_folders_are_the_same_for_its_islands_and_coordinator(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    # Without workdir and data.cache_dir in the file, the defaults (runs/run, .cache/...)
+    # stayed relative to the working directory, and island.json and coordinator.json took
+    # them from their own folders: summaries under islands/a/runs/run/islands/a, a corpus
+    # cache per island, the coordinator's state under runs/run/runs/run/state.
+    from ds_diloco.config import load_coordinator_config, load_island_config
+
+    run = json.loads(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], 1).read_text())
+    del run["workdir"], run["data"]["cache_dir"]
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "run.json").write_text(json.dumps(run))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    cfg = load_run_config(tmp_path / "conf" / "run.json")
+    here = tmp_path / "cwd"
+    assert (cfg.workdir, cfg.data.cache_dir) == (
+        str(here / "runs/run"),
+        str(here / ".cache/ds_diloco"),
+    )
+    lr = LocalRun(cfg)
+    island = load_island_config(lr.write_island_config(cfg.islands[0], 0, 1, plain=False))
+    assert island.workdir == str(here / "runs/run/islands/a")
+    assert island.data.cache_dir == cfg.data.cache_dir
+    coordinator = load_coordinator_config(lr.write_coordinator_config(8470))
+    assert coordinator.state_dir == str(here / "runs/run/state")
+
+
 def test_resuming_starts_only_the_islands_that_had_not_finished(tmp_path, tiny_config_path):
     islands = [{"name": n, "world_size": 1} for n in ("a", "b", "c")]
     lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1)))
