@@ -1026,7 +1026,8 @@ class Coordinator:
             isl = self._islands.get(c.island)
             if (
                 isl is None
-                or isl.left_at is not None
+                # A final flush stays when its island leaves, as in a round (it was lost)
+                or (isl.left_at is not None and not c.final)
                 or isl.registrations != c.incarnation
                 or c.island in fs.complete  # its newer one came meanwhile, and replaces it
                 or self._weight(c, version)[0] == 0  # weighed out (counted by _merge)

@@ -129,14 +129,21 @@ def islands_on_disk(state: dict, merged_by: list[dict], now: float) -> dict[str,
     """The island table of a state dir, brought up to its fragment files' ``merged_by``
     (the coordinator's load, and an export from the state dir)."""
     islands = {k: IslandRecord.from_json(k, v, now) for k, v in state["islands"].items()}
-    restore_merge_marks(islands, merged_by)
+    restore_merge_marks(islands, merged_by, now)
     return islands
 
 
-def restore_merge_marks(islands: dict[str, IslandRecord], merged_by: list[dict]) -> None:
+def restore_merge_marks(
+    islands: dict[str, IslandRecord], merged_by: list[dict], now: float
+) -> None:
     """Bring the island table (saved now and then) up to the fragment files (written with
     every merge): a contribution merged after the table's last save is a replay if sent
-    again (it was merged twice after a crash), and counts as merged."""
+    again (it was merged twice after a crash), and counts as merged. An island merged but
+    not in the table (taken as registered from an upload since its last save:
+    ``Coordinator._adopt_unknown``) is put back in it."""
+    for name in sorted({n for m in merged_by for n in m} - islands.keys()):
+        if all("world_size" in m[name] for m in merged_by if name in m):
+            islands[name] = IslandRecord(island=name, world_size=1, last_seen=now, registrations=0)
     for name, isl in islands.items():
         marks = [(f, m[name]) for f, m in enumerate(merged_by) if name in m]
         if not marks:

@@ -400,7 +400,7 @@ class CoordinatorServer:
             keep=request.query.get("keep", ""), epoch=request.query.get("epoch", ""),
         )  # fmt: skip
         if body is None:
-            return web.Response(status=304, headers={VERSION_HEADER: str(after)})
+            return web.Response(status=304, headers={VERSION_HEADER: str(version)})  # current
         return await self._send_fragment(request, fragment, version, body)
 
     async def next_fragment(self, request):
@@ -418,6 +418,8 @@ class CoordinatorServer:
                 400, "next fragment: need ?known=V0,V1,...&wait=S&world_size=W&rank=R (and "
                 "optional keep=M0,M1,..., epoch=E)"
             ) from None  # fmt: skip
+        if world_size < 1 or not 0 <= rank < world_size:  # now, not once a fragment is newer
+            raise CoordinatorError(422, f"rank {rank} is outside world size {world_size}")
         known, wait = self._long_poll_query(request, "next fragment")
         keep = request.query.get("keep", "")
         keeps = keep.split(",") if keep else [""] * len(known)

@@ -326,14 +326,23 @@ def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[Entry]]:
         if len(offsets) != 2:
             raise WireError(f"malformed body: tensor {name!r} data_offsets must be [start, end]")
         numel = 1
+        span = 1  # the product of its nonzero dimensions: torch's strides must fit int64
         for d in shape:
             if d < 0:
                 raise WireError(f"malformed body: tensor {name!r} has a negative dimension")
             numel *= d
+            span *= max(d, 1)
+        if span >= _MAX_SPAN:
+            raise WireError(f"malformed body: tensor {name!r} has shape {shape}: too large")
         entries.append(Entry(offsets[0], offsets[1], name, _DTYPES[dtype_name], shape, numel))
     # By (start, end), as safetensors does: an empty tensor may share its start with the next.
     entries.sort(key=lambda e: (e.start, e.end))
     return meta, entries
+
+
+_MAX_SPAN = 2**62
+"""Above any tensor's size; an empty tensor's other dimensions are still taken to torch,
+whose strides overflow (a shape of [0, 2**64] was a bare 500 from a streamed upload)."""
 
 
 def _check_layout(entries: list[Entry], data_len: int) -> list[Entry]:

@@ -1017,6 +1017,39 @@ def test_a_merge_failing_again_and_again_backs_off_then_drops_its_contributions(
     assert "backing off" not in d.reason  # a merge that works ends the backoff
 
 
+def test_a_failed_merge_keeps_the_final_flush_of_an_island_that_left(tiny_config_path, tmp_path):
+    # A final flush is kept when its island leaves, merged with the next round; a failed
+    # merge of that round dropped it for good, as if its island had left mid-round.
+    import errno
+
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, durable_merges=False)
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    assert send(coord, "a", 0, step=4, final=1)["status"] == "accepted"
+    coord.leave("a")
+    real_write, disk_full = coord.store.write_json, [True]
+
+    def write_json(name, obj):
+        if name == "versions.json" and disk_full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(name, obj)
+
+    coord.store.write_json = write_json
+    assert send(coord, "b", 0, step=4)["status"] == "accepted"
+    d = coord.poll(0)
+    assert not d.merge and "No space left" in d.reason, d.reason
+    failure = coord.status()["last_merge_failure"]["0"]
+    assert (sorted(failure["back"]), failure["dropped"]) == (["a", "b"], []), failure
+    disk_full[0] = False
+    clock.now = d.wait_until
+    assert coord.poll(0).merge and coord.versions() == [1, 0]
+    assert coord.status()["last_merge"]["0"]["islands"] == ["a", "b"]
+    st = coord.status()["islands"]
+    assert (st["a"]["merged"], st["a"]["dropped"]) == (1, 0)
+
+
 def test_a_failed_periodic_save_after_a_merge_is_not_a_failed_merge(tiny_config_path, tmp_path):
     # The merge is served when the periodic save runs: its failure is logged, the merge
     # stands (no failure counted, no exception for the round loop to log as a failed
@@ -1174,6 +1207,14 @@ def test_an_island_the_state_has_no_record_of_is_taken_from_its_upload_only_in_i
     with pytest.raises(CoordinatorError) as e:  # its registration is the upload's
         send(back, "b", 1, step=2, world_size=2, incarnation=0, run=run)
     assert e.value.status == 409 and wire.SUPERSEDED in str(e.value), e.value
+    # A crash before the table's next save: the island is back from the fragment's merge
+    # marks, and the same upload is a replay (the table had no b: merged a second time).
+    del back
+    back = make(tiny_config_path, tmp_path / "backup", Clock(), policy=policy)
+    with pytest.raises(CoordinatorError, match="replayed upload"):
+        send(back, "b", 0, step=2, world_size=2, run=run)
+    island = back.status()["islands"]["b"]
+    assert (island["world_size"], island["merged"], back.versions()) == (2, 1, [1, 0]), island
     # A state dir from before run ids gets one on load, kept from then on.
     state = json.loads((tmp_path / "backup" / "coordinator.json").read_text())
     del state["run_id"]

@@ -256,6 +256,9 @@ def test_download_serves_each_ranks_zero3_slice(server):
                 joined = torch.cat([slices[p.name] for _, slices in parts])
                 assert torch.equal(joined, full[p.name].reshape(-1)), (world_size, p.name)
     assert client.download(0, 2, 1, after=0) is None  # not newer than what the island holds
+    # The 304 says the coordinator's version, not the one asked after (it echoed that).
+    r = client._request("GET", "/v1/fragments/0", params={"world_size": 1, "rank": 0, "after": 7})
+    assert (r.status_code, r.headers[wire.VERSION_HEADER]) == (304, "0")
 
 
 def _rank_dests(plan, world_size, rank):
@@ -309,6 +312,9 @@ def test_the_long_poll_for_fragments_answers_with_the_first_newer_one(server):
         ("known=0,0,0,0&wait=1&rank=0", "need ?known=V0,V1,...&wait=S&world_size=W"),
         ("known=0,0,0,0&wait=1&world_size=1&rank=0&keep=1,,&epoch=e", "keep has 3 masks"),
         ("known=-1,0,0,0&wait=1&world_size=1&rank=3", "rank 3 is outside world size 1"),
+        # Refused at once, not only once a fragment is newer (a 304 after the wait before).
+        ("known=0,0,0,0&wait=2&world_size=0&rank=0", "rank 0 is outside world size 0"),
+        ("known=0,0,0,0&wait=2&world_size=2&rank=7", "rank 7 is outside world size 2"),
         # A mask of a fragment that is not the one sent is refused all the same.
         ("known=-1,0,0,0&wait=0&world_size=1&rank=0&keep=,,,zz&epoch=e", "fragment 3: keep must"),
     ],

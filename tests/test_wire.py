@@ -488,6 +488,15 @@ def test_malformed_body_is_refused_with_a_reason(body, message):
         wire.decode(body)
 
 
+@pytest.mark.parametrize("shape", [[2**62, 2**62, 0], [2**64, 0], [0, 2**61, 2**61]])
+def test_a_shape_too_large_for_torch_is_refused_from_the_head_alone(shape):
+    # A streamed upload reads its head alone (decode_head) and shapes its row's slices from
+    # it: torch's stride overflow there was a bare 500, the whole body's decode a 400.
+    body = raw_body({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+    with pytest.raises(WireError, match=r"tensor 'a' has shape \[.*\]: too large"):
+        wire.decode_head(body, len(body))
+
+
 def test_malformed_bodies_are_also_refused_by_safetensors():
     """Our refusals are not stricter than the format: the reference reader refuses the
     same bodies, except the dtypes it knows and we keep off the wire."""
