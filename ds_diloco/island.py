@@ -172,6 +172,9 @@ class _NoSync:
     def close(self, leave: bool = True) -> None:
         pass
 
+    def keep_lease(self):
+        return contextlib.nullcontext()
+
 
 IN_LOOP_STATS = ("agree_s", "send_s", "apply_s", "cache_s")
 """The syncer's training-thread timers that the loop's sync part (``sync_s``) holds; the
@@ -339,7 +342,7 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
                         "batches": batches,
                         "rows": loader.rows,
                     }
-                    with stall.paused():  # as long as the disk takes
+                    with stall.paused(), learner.keep_lease():  # as long as the disk takes
                         zero.save_checkpoint(engine, ckpt_dir, step, state)
         wall = time.perf_counter() - t_start
         loop_stats = {k: v - loop_start[k] for k, v in _in_loop(learner).items()}

@@ -291,6 +291,7 @@ class Learner:
         self._tokens += int(tokens)
         step = self.engine.global_steps
         if step == self._seen_step:  # not an optimizer step: a micro-batch of an accumulation
+            self.syncer.alive()  # training goes on: the island keeps its lease
             return []
         if step < self._seen_step or (self._first and step != self._seen_step + 1):
             # The same on every rank (their engines step together). Unnoticed, the next
@@ -304,6 +305,13 @@ class Learner:
         self._seen_step = step
         tokens, self._tokens = self._tokens, 0
         return self.syncer.on_step(step, tokens) if sync else []
+
+    def keep_lease(self):
+        """``with learner.keep_lease():`` around work between steps that may take minutes (a
+        checkpoint save of a large model): the island stays live for the coordinator's
+        quorums meanwhile (a rank silent for two minutes, or four times its longest step,
+        stops its heartbeats: see ``syncer.IDLE_LEASE_S``)."""
+        return self.syncer.keep_lease()
 
     def versions(self) -> list[int]:
         """The global version each fragment's local values started from."""

@@ -58,10 +58,15 @@ BACKGROUND_NICE = 10
 run in its gaps (collective waits) instead of taking time slices from the inner step."""
 CLOSE_INTERRUPT_S = 5.0  # after close()'s deadline, how long requests still running are cut short
 IDLE_LEASE_S = 120.0
-"""Training silent this long (no step, no flush): the downloader stops polling, so the
-island's lease lapses and no quorum waits for it. A ``train()`` that raised in a process
-that lives on (a notebook, a caught error) never closes the syncer; its threads kept the
-lease for ever, and with K = M no round closed. The next step renews it."""
+"""Training silent this long (no step, no micro-batch, no flush), or ``IDLE_GAPS`` times its
+longest silence so far if that is longer: the downloader stops polling, so the island's
+lease lapses and no quorum waits for it. A ``train()`` that raised in a process that lives
+on (a notebook, a caught error) never closes the syncer; its threads kept the lease for
+ever, and with K = M no round closed. The next step renews it. Work between steps that
+takes long (a checkpoint save) keeps the lease: :meth:`FragmentSyncer.keep_lease`."""
+IDLE_GAPS = 4.0
+"""See ``IDLE_LEASE_S``: an island whose steps (or micro-batches) take minutes, a large
+model's, lost its lease every step at a fixed two minutes, though it trained on."""
 TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) after this
 GONE_RETRY_S = 10.0  # finish(): how long a coordinator found gone is tried once more
 
@@ -363,6 +368,8 @@ class FragmentSyncer:
         self._step_t: float | None = None
         self._last_step: int | None = None  # the last inner step seen by on_step
         self._active_t = time.monotonic()  # the training thread's last step (IDLE_LEASE_S)
+        self._longest_gap: float | None = None  # ... and its longest silence between two
+        self._lease_kept = 0  # keep_lease() contexts open
         self._fetch_error = ""  # the last download that failed, and why (take_global's error)
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
@@ -388,6 +395,26 @@ class FragmentSyncer:
         return views
 
     # ----------------------------------------------------------- training side
+    def alive(self) -> None:
+        """Training goes on (a step, or a micro-batch of an accumulation): see IDLE_LEASE_S."""
+        now = time.monotonic()
+        if self._longest_gap is None:  # the first: after the start-up's waits, not a step
+            self._longest_gap = 0.0
+        else:
+            self._longest_gap = max(self._longest_gap, now - self._active_t)
+        self._active_t = now
+
+    @contextlib.contextmanager
+    def keep_lease(self):
+        """Around work between steps that may take longer than ``IDLE_LEASE_S`` (a checkpoint
+        save): the heartbeats go on meanwhile."""
+        self._lease_kept += 1
+        try:
+            yield
+        finally:
+            self._lease_kept -= 1
+            self.alive()
+
     def bootstrap(self, attempts: int = 20) -> list[int]:
         """Take the global model (:meth:`take_global`), then start the network thread."""
         largest = max((sum(frag.values()) for frag in self._sizes), default=0)
@@ -489,7 +516,7 @@ class FragmentSyncer:
         where a result is due or a fragment is sent (the same steps on every rank).
         """
         self._last_step = step
-        self._active_t = time.monotonic()
+        self.alive()
         now = time.perf_counter()
         if self._step_t is not None:
             dt = now - self._step_t
@@ -1020,7 +1047,8 @@ class FragmentSyncer:
         while not self._stop.is_set():
             self._wake.clear()  # a change from here on ends the waits below
             idle = time.monotonic() - self._active_t
-            if idle > IDLE_LEASE_S and not self._flushing:  # see IDLE_LEASE_S
+            limit = max(IDLE_LEASE_S, IDLE_GAPS * (self._longest_gap or 0.0))
+            if idle > limit and not (self._flushing or self._lease_kept):  # see IDLE_LEASE_S
                 if not idle_logged:
                     log.warning("%s/%d no training step for %.0f s: heartbeats stop until "
                                 "the next step", self.island, self.rank, idle)  # fmt: skip

@@ -605,9 +605,11 @@ def test_an_island_whose_training_went_silent_lets_its_lease_lapse(
     from ds_diloco import syncer as syncer_mod
 
     monkeypatch.setattr(syncer_mod, "IDLE_LEASE_S", 1.0, raising=False)
+    monkeypatch.setattr(syncer_mod, "IDLE_GAPS", 0.0)  # a fixed limit first (see below)
+    timeout = 4.0  # longer than the heartbeat interval (HEARTBEAT_S)
     cfg = dataclasses.replace(
-        coordinator_config(tmp_path, tiny_config_path, quorum=1), island_timeout_s=3.0
-    )  # longer than the heartbeat interval (HEARTBEAT_S)
+        coordinator_config(tmp_path, tiny_config_path, quorum=1), island_timeout_s=timeout
+    )
     with ServerThread(cfg) as srv:
         client = CoordinatorClient(srv.url, "t", retries=0)
         (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
@@ -616,9 +618,25 @@ def test_an_island_whose_training_went_silent_lets_its_lease_lapse(
         train(s, range(1, 3))  # fragment 0 sent at step 2: the downloader waits for it
         live = lambda: srv.coord.status()["islands"]["a"]["live"]  # noqa: E731
         assert live()
-        wait_for(lambda: not live(), timeout=10.0)
+        wait_for(lambda: not live(), timeout=20.0)
         train(s, range(3, 4), wait_results=False)
-        wait_for(live, timeout=10.0)
+        wait_for(live, timeout=20.0)
+        # Training that goes on between steps keeps it: the micro-batches of a long
+        # accumulation (Learner.step calls alive()), and a checkpoint save in keep_lease().
+        # Only optimizer steps counted: a step or a save of over two minutes lost the lease.
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0 + timeout + 2.0:
+            s.alive()
+            time.sleep(0.25)
+        assert live()
+        with s.keep_lease():
+            time.sleep(1.0 + timeout + 2.0)
+            assert live()
+        # The limit follows the island's own pace: four times its longest silence so far
+        # (the save's, 7 s here), so a model whose steps take minutes keeps its lease.
+        monkeypatch.setattr(syncer_mod, "IDLE_GAPS", 4.0)
+        time.sleep(1.0 + timeout + 2.0)
+        assert live()
         s.close()
 
 
