@@ -8,6 +8,8 @@ which lists tied weights once, exactly as a DeepSpeed engine's module does.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 
 import torch
 
@@ -55,6 +57,32 @@ def model_specs(source: ModelSource) -> list:
     with torch.device("meta"):  # (accelerate's init_empty_weights left tied weights apart)
         model = AutoModelForCausalLM.from_config(config)
     return param_specs(model.named_parameters())
+
+
+def check_freeze(patterns: Sequence[str], names: Sequence[str]) -> None:
+    """``train.freeze``'s patterns (``re.search``) each match a parameter name: a typo
+    would silently train everything."""
+    for pattern in patterns:
+        if not any(re.search(pattern, name) for name in names):
+            raise ValueError(
+                f"train.freeze: {pattern!r} matches no parameter of the model "
+                f"(they are named like {names[0]!r})"
+            )
+
+
+_POSITIONS = re.compile(r"(?:^|\.)(?:wpe|embed_positions|position_embeddings)\.weight$")
+"""A learned absolute-position table (GPT-2's wpe, OPT's, GPT-Neo's): a row per position."""
+
+
+def check_sequence_fits(specs, seq_len: int) -> None:
+    """A model with learned absolute positions has a row for each: a longer sequence is an
+    IndexError in every rank's first step (rotary models, Llama's, have no such table)."""
+    for spec in specs:
+        if _POSITIONS.search(spec.name) and seq_len > spec.shape[0]:
+            raise ValueError(
+                f"data.seq_len {seq_len} is longer than the model's {spec.shape[0]} learned "
+                f"positions ({spec.name}): lower data.seq_len"
+            )
 
 
 def model_signature(source: ModelSource) -> str:

@@ -78,20 +78,38 @@ class CoordinatorStartError(RuntimeError):
     than ``max_restarts`` times and is not started again."""
 
 
-def check_islands_inputs(cfg: RunConfig) -> None:
+def check_islands_inputs(cfg: RunConfig, tokenizer=None) -> None:
     """What only the coordinator or the ranks would find, checked before any island starts
     (found there, it came after every island's ranks had been launched, or in each rank's
-    log, restarted up to max_restarts times): the fragment plan against the model, and the
-    DeepSpeed config against DeepSpeed's own schema."""
+    log, restarted up to max_restarts times): the fragment plan against the model, each
+    island's ``train.freeze``, the tokenizer's ids and the sequence length against the
+    model's tables, and the DeepSpeed config against DeepSpeed's own schema."""
+    from transformers import AutoConfig
+
     from ds_diloco.fragments import FragmentPlan
-    from ds_diloco.hf_model import model_specs
+    from ds_diloco.hf_model import check_freeze, check_sequence_fits, model_specs
     from ds_diloco.island import deepspeed_config
 
     c = cfg.coordinator
+    specs = model_specs(cfg.model)
     try:
-        FragmentPlan.build(model_specs(cfg.model), c.num_fragments, c.fragmentation)
+        FragmentPlan.build(specs, c.num_fragments, c.fragmentation)
     except ValueError as e:
         raise ValueError(f"coordinator: {e}") from None
+    for spec in cfg.islands:
+        try:
+            check_freeze(cfg.train_of(spec).freeze, [s.name for s in specs])
+        except ValueError as e:
+            raise ValueError(f"islands[{spec.name}]: {e}" if spec.train else str(e)) from None
+    check_sequence_fits(specs, cfg.data.seq_len)
+    vocab = AutoConfig.from_pretrained(cfg.model.pretrained or cfg.model.config).vocab_size
+    if tokenizer is not None and vocab is not None and len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer ({cfg.data.tokenizer or 'trained on the corpus'}) has "
+            f"{len(tokenizer)} tokens, above the model's vocab_size {vocab}: its ids would "
+            "index past the embeddings (an IndexError in every rank's first step); use the "
+            "model's own tokenizer or a model with a larger vocabulary"
+        )
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks get it (_env)
     from ds_diloco.zero import check_deepspeed_config
@@ -1220,10 +1238,10 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         try:
             lr.spawn_coordinator()  # it starts up while the data is prepared
             print(f"preparing data from {d.path} ...", flush=True)
-            _, blocks = prepare_section(d)
+            tokenizer, blocks = prepare_section(d)
             train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
-            check_islands_inputs(cfg)
+            check_islands_inputs(cfg, tokenizer)
             heldout = as_tensor(heldout[:HELDOUT_BLOCKS])
             code, final_status, global_evals = _drive(cfg, lr, point, heldout)
         except Stopped as e:

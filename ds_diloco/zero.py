@@ -39,6 +39,7 @@ import torch
 
 from ds_diloco import agreement, stall_exit
 from ds_diloco.config import CONVERT_TIMEOUT_S, ModelSource
+from ds_diloco.hf_model import check_freeze
 from ds_diloco.merge import sq_norm
 from ds_diloco.sharding import shard_numel
 from ds_diloco.state_store import atomic_write
@@ -183,12 +184,7 @@ def freeze_params(model: torch.nn.Module, patterns: Sequence[str]) -> list[torch
     (``re.search``); returns the parameters left to train. A pattern that matches nothing
     (a typo would silently train everything) or one that leaves nothing is refused."""
     params = list(model.named_parameters())
-    for pattern in patterns:
-        if not any(re.search(pattern, name) for name, _ in params):
-            raise ValueError(
-                f"train.freeze: {pattern!r} matches no parameter of the model "
-                f"(they are named like {params[0][0]!r})"
-            )
+    check_freeze(patterns, [name for name, _ in params])
     trained = []
     for name, p in params:
         if any(re.search(pattern, name) for pattern in patterns):

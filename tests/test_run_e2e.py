@@ -1279,6 +1279,41 @@ def test_what_the_coordinator_or_the_ranks_would_refuse_is_refused_before_island
     assert not (tmp_path / "run" / "islands").exists()  # none was started
 
 
+def test_a_freeze_typo_a_tokenizer_past_the_vocabulary_and_too_long_sequences_are_refused(
+    tmp_path, tiny_config_path
+):
+    # Each passed every check of the run and failed in every rank of the islands launched:
+    # a freeze pattern matching nothing (exit 2 after the launch), a tokenizer whose ids
+    # index past the embeddings, a sequence longer than a model's learned positions
+    # (IndexError in each rank's first step, restarted max_restarts times).
+    from ds_diloco.data import train_tokenizer
+
+    def refused(run: dict, tokenizer=None) -> str:
+        (tmp_path / "r.json").write_text(json.dumps(run))
+        with pytest.raises(ValueError) as e:
+            run_mod.check_islands_inputs(load_run_config(tmp_path / "r.json"), tokenizer)
+        return str(e.value)
+
+    islands = [{"name": "a"}, {"name": "b", "train": {"freeze": ["embedtokens"]}}]
+    run = json.loads(write_run_file(tmp_path, tiny_config_path, islands, 2).read_text())
+    assert refused(run).startswith("islands[b]: train.freeze: 'embedtokens' matches no param")
+    run["islands"] = [{"name": "a"}]
+    small = {**json.loads(Path(tiny_config_path).read_text()), "vocab_size": 300}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    tok = train_tokenizer([REPO / "tests" / "data" / "sonnets.txt"], 512, tmp_path / "tok")
+    run["model"] = {"config": str(tmp_path / "small.json")}
+    run["data"]["tokenizer"] = str(tmp_path / "tok")
+    assert "has 512 tokens, above the model's vocab_size 300" in refused(run, tok)
+    gpt2 = {"model_type": "gpt2", "n_positions": 16, "n_embd": 64, "n_layer": 2, "n_head": 2,
+            "vocab_size": 512}  # fmt: skip
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    run["model"] = {"config": str(tmp_path / "gpt2.json")}
+    assert "seq_len 32 is longer than the model's 16 learned positions" in refused(run, tok)
+    run["data"]["seq_len"] = 16
+    (tmp_path / "r.json").write_text(json.dumps(run))
+    run_mod.check_islands_inputs(load_run_config(tmp_path / "r.json"), tok)  # fits
+
+
 def test_an_inner_step_accumulates_micro_batches_and_the_lr_follows_its_schedule(
     tmp_path, tiny_config_path
 ):
