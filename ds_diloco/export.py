@@ -281,8 +281,17 @@ def shard_size_bytes(size: int | str) -> int:
 
 def check_out_folder(out: str | os.PathLike) -> Path:
     """``out`` may receive an export: new, empty, or an earlier export (it has a
-    config.json), which is replaced whole. Anything else is refused, not deleted."""
-    out = Path(out)
+    config.json), which is replaced whole. Anything else is refused, not deleted.
+
+    A link is followed: its target is the folder replaced (the link itself was renamed
+    away and a local folder put in its place: the export left the big disk it pointed to).
+    """
+    out = Path(out).resolve()
+    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+        raise ValueError(
+            f"output folder {str(out)!r} is the working directory or holds it: an export "
+            "replaces its folder whole; name a folder of its own (e.g. --out export)"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,14 @@ def push_folder(
     token: str | None = None,
     commit_message: str | None = None,
 ) -> str:
-    """Upload every file of ``folder`` to model repo ``repo_id`` in one commit; returns its URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    """Upload every file of ``folder`` to model repo ``repo_id`` in one commit; returns its URL.
+
+    In the same commit, the repo's weight and tokenizer files that the folder does not
+    have are deleted (:func:`_replaced`): left there, an earlier push's
+    ``model.safetensors`` was loaded instead of a sharded one's index, another dtype's
+    or size's weights stayed beside the new ones, a tokenizer's old files beside its new
+    ones. Other files of the repo (a user's own) stay."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     root = Path(folder)
@@ -46,6 +53,11 @@ def push_folder(
         api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        sent = {op.path_in_repo for op in operations}
+        stale = [f for f in _repo_files(api, repo_id, revision) if f not in sent and _replaced(f)]
+        if stale:
+            log.info("deleting from %s what this push replaces: %s", repo_id, stale)
+        operations += [CommitOperationDelete(path_in_repo=f) for f in stale]
         commit = api.create_commit(
             repo_id,
             operations,
@@ -64,6 +76,31 @@ def push_folder(
         ) from None
     log.info("pushed %d files to %s: %s", len(files), repo_id, commit.commit_url)
     return commit.commit_url
+
+
+_TOKENIZER_FILES = {
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+}  # fmt: skip
+_WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|gguf|msgpack|h5)$|\.index\.json$")
+
+
+def _replaced(path: str) -> bool:
+    """A file of the kinds an export writes and a model loads by name: weights, their
+    index, tokenizer files (at the repo's top level, where they are loaded from)."""
+    return "/" not in path and (path in _TOKENIZER_FILES or bool(_WEIGHTS.search(path)))
+
+
+def _repo_files(api, repo_id: str, revision: str | None) -> list[str]:
+    """The files at ``revision`` of the repo; none for a repo or branch just made."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return api.list_repo_files(repo_id, revision=revision, repo_type="model")
+    except HfHubHTTPError as e:
+        if getattr(e.response, "status_code", None) == 404:
+            return []
+        raise
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

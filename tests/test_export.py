@@ -361,6 +361,15 @@ def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (Path(export_model(config, tensors, empty)) / "config.json").is_file()
+    # A link to a folder on another disk: the export goes there, the link stays (it was
+    # renamed away and a local folder put in its place); the working directory is refused.
+    link = tmp_path / "link"
+    link.symlink_to(empty)
+    export_model(config, tensors, link)
+    assert link.is_symlink() and (empty / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "notes.txt"]
+    with pytest.raises(ValueError, match="is the working directory or holds it"):
+        export_model(config, tensors, ".")
 
 
 # --------------------------------------------------------------- errors

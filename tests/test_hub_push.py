@@ -42,7 +42,8 @@ class FakeHub:
         self.repos: dict[str, dict] = {}  # repo id -> create payload
         self.branches: list[tuple[str, str]] = []
         self.lfs: dict[str, bytes] = {}  # sha256 -> bytes received by PUT
-        self.commits: list[dict] = []  # {repo, revision, summary, files: {path: bytes}}
+        self.commits: list[dict] = []  # {repo, revision, summary, files: {path: bytes}, deleted}
+        self.trees: dict[tuple[str, str], dict[str, bytes]] = {}  # (repo, revision) -> files
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -100,6 +101,8 @@ class FakeHub:
         try:
             if method == "POST" and path == "/api/repos/create":
                 return self.create_repo(req, json.loads(body))
+            if method == "GET" and parts[:2] == ["api", "models"] and parts[4:5] == ["tree"]:
+                return self.tree(req, "/".join(parts[2:4]), "/".join(parts[5:]))
             if method == "POST" and path == "/api/validate-yaml":
                 return self.reply(req, 200, {"errors": [], "warnings": []})
             if method == "POST" and parts[:2] == ["api", "models"] and len(parts) >= 6:
@@ -134,6 +137,13 @@ class FakeHub:
         self.repos[repo] = payload
         return self.reply(req, 200, {"url": f"{self.url}/{repo}"})
 
+    def tree(self, req, repo: str, revision: str) -> None:
+        if (repo, revision) not in self.trees:  # a repo or branch with no commit yet
+            return self.reply(req, 404, {"error": "Revision not found"})
+        files = [{"type": "file", "path": p, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                 for p, b in sorted(self.trees[(repo, revision)].items())]  # fmt: skip
+        return self.reply(req, 200, files)
+
     def preupload(self, req, payload: dict) -> None:
         files = [
             {"path": f["path"], "shouldIgnore": False, "oid": None,
@@ -155,7 +165,7 @@ class FakeHub:
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         header, ops = lines[0], lines[1:]
         assert header["key"] == "header"
-        files = {}
+        files, deleted = {}, []
         for op in ops:
             v = op["value"]
             if op["key"] == "file":
@@ -165,11 +175,17 @@ class FakeHub:
                 if v["oid"] not in self.lfs:
                     return self.reply(req, 422, {"error": f"LFS object of {v['path']} missing"})
                 files[v["path"]] = self.lfs[v["oid"]]
+            elif op["key"] == "deletedFile":
+                deleted.append(v["path"])
             else:
                 raise ValueError(f"unexpected commit operation {op['key']}")
         n = len(self.commits)
-        self.commits.append({"repo": repo, "revision": revision,
+        self.commits.append({"repo": repo, "revision": revision, "deleted": deleted,
                              "summary": header["value"]["summary"], "files": files})  # fmt: skip
+        tree = self.trees.setdefault((repo, revision), {})
+        tree.update(files)
+        for path in deleted:
+            del tree[path]
         oid = hashlib.sha1(str(n).encode()).hexdigest()
         return self.reply(req, 200, {"commitUrl": f"{self.url}/{repo}/commit/{oid}",
                                      "commitOid": oid, "pullRequestUrl": None})  # fmt: skip
@@ -259,6 +275,29 @@ def test_push_to_an_existing_repo_on_a_branch(hub, tmp_path):
     # Create was asked, answered 409 (already there), and the push went on.
     assert ("POST", "/api/repos/create") in [(m, p) for m, p, _ in hub.requests]
     assert hub.repos["someone/x"] == {}
+
+
+def test_a_push_deletes_the_weights_and_tokenizer_files_it_replaces(hub, tmp_path):
+    # Pushes only added files: a sharded export over a single-file one left model.safetensors
+    # there, which from_pretrained loads before the index (the old model), and an earlier
+    # tokenizer's files beside the new ones. A user's own files stay.
+    first, second = tmp_path / "one", tmp_path / "two"
+    for folder, files in ((first, ["model.safetensors", "vocab.json", "merges.txt"]),
+                          (second, ["model-00001-of-00002.safetensors",
+                                    "model-00002-of-00002.safetensors",
+                                    "model.safetensors.index.json", "tokenizer.json"])):  # fmt: skip
+        folder.mkdir()
+        for name in [*files, "config.json"]:
+            (folder / name).write_text(f"{folder.name} {name}")
+    push_folder(first, "someone/x")
+    hub.trees[("someone/x", "main")]["notes.md"] = b"the user's own"
+    push_folder(second, "someone/x")
+    assert not hub.unexpected, hub.unexpected
+    assert sorted(hub.commits[1]["deleted"]) == ["merges.txt", "model.safetensors", "vocab.json"]
+    assert hub.trees[("someone/x", "main")] == {
+        **folder_files(second),
+        "notes.md": b"the user's own",
+    }
 
 
 def test_push_needs_a_token_before_exporting(hub, state_dir, tmp_path, monkeypatch, capsys):
