@@ -273,6 +273,9 @@ class DataConfig:
     """The split of a dataset that has several (a saved ``DatasetDict``, a hub dataset), or
     of a folder whose file or folder names name them as ``datasets`` reads them
     (``train.jsonl``/``test.jsonl``, ``valid/``: files naming none are left out)."""
+    subset: str | None = None
+    """The configuration of a hub dataset that has several (``datasets.load_dataset``'s
+    second argument: wikitext's ``wikitext-103-raw-v1``); ignored for local files."""
     heldout_fraction: float = 0.02
     """Share of blocks held out for evaluation (the same blocks on every island)."""
     cache_dir: str = ".cache/ds_diloco"

@@ -368,6 +368,7 @@ def load_text_dataset(
     *,
     text_field: str = "text",
     split: str = "train",
+    subset: str | None = None,
 ) -> datasets.Dataset:
     """A ``datasets.Dataset`` with one column, ``"text"``, from local files or a dataset.
 
@@ -375,8 +376,9 @@ def load_text_dataset(
     ``text_field`` column; any other file, ``.txt`` say: one record per blank-line
     separated paragraph, Gutenberg-cleaned; a folder: its ``*.txt`` files, else its
     record files, of ``split`` where their names name splits, or else a saved or
-    loadable dataset folder), or a name for ``datasets.load_dataset``. Local paths
-    never reach the network.
+    loadable dataset folder), or a name for ``datasets.load_dataset`` (with ``subset``,
+    its configuration: wikitext's ``wikitext-103-raw-v1``). Local paths never reach the
+    network.
     """
     import datasets
 
@@ -386,7 +388,8 @@ def load_text_dataset(
     if len(sources) == 1 and not os.path.exists(sources[0]):
         if os.path.isabs(sources[0]):  # a path (the config makes relative ones absolute)
             raise ValueError(f"data.path {str(sources[0])!r} does not exist")
-        return _text_column(datasets.load_dataset(str(sources[0]), split=split), text_field, split)
+        ds = datasets.load_dataset(str(sources[0]), subset, split=split)
+        return _text_column(ds, text_field, split)
     if missing := [str(s) for s in sources if not os.path.exists(s)]:
         raise ValueError(f"load_text_dataset: no such files {missing}")
     folder = Path(sources[0])
@@ -427,7 +430,7 @@ def _batches(records: datasets.Dataset | TextBatches) -> TextBatches:
 
 
 def text_batches(source: str | os.PathLike, *, text_field: str = "text",
-                 split: str = "train") -> TextBatches:  # fmt: skip
+                 split: str = "train", subset: str | None = None) -> TextBatches:  # fmt: skip
     """The records :func:`load_text_dataset` gives, in its order, a batch at a time. Text
     files are read one at a time, so preparing a corpus of many large ``.txt`` files never
     holds all of it (the dataset of their paragraphs did: several times their size); other
@@ -435,7 +438,8 @@ def text_batches(source: str | os.PathLike, *, text_field: str = "text",
     local = os.path.exists(source) and not _saved_dataset(source)
     files = _corpus_files(Path(source), split) if local else []
     if not (files and not any(_suffix(f) in _LOADERS for f in files)):
-        yield from _batches(load_text_dataset(source, text_field=text_field, split=split))
+        records = load_text_dataset(source, text_field=text_field, split=split, subset=subset)
+        yield from _batches(records)
         return
     for f in files:
         paragraphs = _file_paragraphs(f)
@@ -847,6 +851,7 @@ def prepare_corpus(
     tokenizer: str | os.PathLike | None = None,
     text_field: str = "text",
     split: str = "train",
+    subset: str | None = None,
 ):
     """Text -> (tokenizer, :class:`Blocks`), the tokenizer and the tokens cached under ``cache_dir``.
 
@@ -875,8 +880,8 @@ def prepare_corpus(
             del corpus["vocab_size"]
     elif local:  # a dataset folder: rewriting it in place must change the key
         corpus = {"version": _FINGERPRINT_VERSION, "files": _file_stats(_data_files(source, cache))}
-    else:  # a hub dataset name: keyed by name
-        corpus = {"source": str(source)}
+    else:  # a hub dataset name: keyed by name (and configuration)
+        corpus = {"source": str(source), **({"subset": subset} if subset else {})}
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(str(tokenizer))
         corpus = {**corpus, "tokenizer": _tokenizer_hash(tok)}  # retrained in place: new key
@@ -906,14 +911,15 @@ def prepare_corpus(
     dtype = token_dtype(tok)
     path = cache / f"tokens-{key}.{dtype.name}"  # any seq_len reads the same tokens
     if not path.is_file():
-        write_tokens(text_batches(source, text_field=text_field, split=split), tok, path)
+        records = text_batches(source, text_field=text_field, split=split, subset=subset)
+        write_tokens(records, tok, path)
     return tok, read_blocks(path, seq_len, dtype)
 
 
 def prepare_section(d: DataConfig):
     """:func:`prepare_corpus` of a run's or an island's ``data`` section: (tokenizer, blocks)."""
-    return prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len,
-                          tokenizer=d.tokenizer, text_field=d.text_field, split=d.split)  # fmt: skip
+    return prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
+                          text_field=d.text_field, split=d.split, subset=d.subset)  # fmt: skip
 
 
 def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:

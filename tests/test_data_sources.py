@@ -171,3 +171,26 @@ def test_paths_take_the_home_folder_and_a_missing_relative_path_is_named(tmp_pat
     # A mistyped folder was taken for a dataset name: "set data.tokenizer", the wrong advice.
     with pytest.raises(ValueError, match=r"'data/shakespear' is not a file or folder here"):
         data.prepare_corpus("data/shakespear", tmp_path / "cache", 300, 8)
+
+
+def test_a_hub_datasets_configuration_is_asked_for_and_keys_its_tokens(tmp_path, monkeypatch):
+    # A hub dataset with several configurations (wikitext-103-raw-v1, ...) could not be
+    # named: load_dataset refused it without one. The Hub is out of reach here: its loader
+    # stands in, the one call that would go to the network.
+    asked = []
+
+    def load_dataset(path, name=None, split=None):
+        asked.append((path, name, split))
+        return datasets.Dataset.from_dict(
+            {"text": [f"The {name} text, line {i}." for i in range(50)]}
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    tok_dir = tmp_path / "tok"
+    data.train_tokenizer([SONNETS], VOCAB, tok_dir)
+    cache = tmp_path / "cache"
+    tok, raw = data.prepare_corpus("someone/wiki", cache, VOCAB, 8, tokenizer=tok_dir, subset="raw")
+    _, plain = data.prepare_corpus("someone/wiki", cache, VOCAB, 8, tokenizer=tok_dir, subset="v1")
+    assert asked == [("someone/wiki", "raw", "train"), ("someone/wiki", "v1", "train")]
+    assert tok.decode(raw[0].tolist()).startswith("The raw text")
+    assert tok.decode(plain[0].tolist()).startswith("The v1 text")
