@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -73,6 +73,25 @@ def signature(specs: Iterable[ParamSpec]) -> str:
     shapes and order."""
     text = "\n".join(f"{s.name}:{'x'.join(map(str, s.shape))}" for s in specs)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def spec_difference(ours: Sequence[ParamSpec], theirs: Sequence[ParamSpec], most: int = 3) -> str:
+    """What differs between two parameter lists (where their signatures differ), in words:
+    the parameters only one has, those of another shape, else their order."""
+    mine, other = {s.name: s.shape for s in ours}, {s.name: s.shape for s in theirs}
+    parts = []
+    if missing := [n for n in other if n not in mine]:
+        parts.append(f"{len(missing)} of the run's missing here ({', '.join(missing[:most])})")
+    if extra := [n for n in mine if n not in other]:
+        parts.append(f"{len(extra)} not in the run's ({', '.join(extra[:most])})")
+    if reshaped := [n for n in mine if n in other and mine[n] != other[n]]:
+        shapes = ", ".join(f"{n} {list(mine[n])} here, {list(other[n])} in the run"
+                           for n in reshaped[:most])  # fmt: skip
+        parts.append(f"{len(reshaped)} of another shape ({shapes})")
+    if not parts:
+        at = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        parts.append(f"the same parameters in another order (from {ours[at].name})")
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,8 @@ class DiLoCoCallback(TrainerCallback):
         self._seen_tokens = 0
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        counting = str(getattr(args, "include_num_input_tokens_seen", "no")) != "no"
+        # transformers 5 says "no"/"all"/...; 4.x a bool: False (its default) or None counts none
+        counting = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
         if self.tokens_per_step is None and not counting:
             raise LearnerError(
                 "DiLoCoCallback needs token counts for the merge weights: set "
@@ -114,6 +115,11 @@ class DiLoCoCallback(TrainerCallback):
         self.learner.start_together(self.start_together)
         self._seen_tokens = state.num_input_tokens_seen
 
+    def on_substep_end(self, args, state, control, **kwargs):
+        """A micro-batch of a gradient accumulation: training goes on (the island's lease)."""
+        if self.learner is not None:
+            self.learner.syncer.alive()
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.tokens_per_step is not None:
             tokens = self.tokens_per_step
@@ -132,7 +138,10 @@ class DiLoCoCallback(TrainerCallback):
         # load_best_model_at_end: the Trainer has loaded its best checkpoint into the engine
         # by now; flushed, the last steps' pseudo-gradients would be global - that checkpoint
         # (a pull back towards it, merged). Those steps are left out instead.
-        flush = not getattr(args, "load_best_model_at_end", False)
+        # Only when it loaded one: with no evaluation run (max_steps < eval_steps) it has none,
+        # and the engine holds the trained weights.
+        best = getattr(state, "best_model_checkpoint", None) if state is not None else None
+        flush = not (getattr(args, "load_best_model_at_end", False) and best is not None)
         if not flush:
             log.warning("load_best_model_at_end: the steps since each fragment's last send "
                         "are not sent (the Trainer replaced the weights with its best checkpoint)")  # fmt: skip

@@ -38,7 +38,7 @@ from ds_diloco import zero
 from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError, TLSError
 from ds_diloco.compress import Codec
 from ds_diloco.config import TOKEN_ENV
-from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature
+from ds_diloco.fragments import FragmentPlan, Schedule, param_specs, signature, spec_difference
 from ds_diloco.syncer import FragmentSyncer, SyncStats
 
 log = logging.getLogger(__name__)
@@ -143,17 +143,20 @@ class Learner:
         # https: the coordinator's certificate is checked against ca_file, else
         # $DS_DILOCO_CA_FILE, else the system's CAs.
         self.client = CoordinatorClient(coordinator, token, ca_file=ca_file)
-        sig = signature(param_specs(engine.module.named_parameters()))
+        specs = param_specs(engine.module.named_parameters())
+        sig = signature(specs)
         # Every failure below is agreed on by the whole island before anyone raises, so a
         # rank never waits forever in a collective that a failed rank will not join.
         probe = self.client.with_limits(timeout_s=10.0)
         info = self._all(lambda: self._reach(probe, connect_timeout_s))
+        plan = FragmentPlan.from_json(info["plan"])
         if info["signature"] != sig:  # the same plan on every rank: they all raise
             raise SetupError(
                 f"island {island!r}: parameter signature mismatch: the run's model has "
-                f"signature {info['signature'][:16]}, this engine's is {sig[:16]} "
-                f"(parameter names or shapes differ)"
+                f"signature {info['signature'][:16]}, this engine's is {sig[:16]}: "
+                f"{spec_difference(specs, plan.specs)}"
             )
+        self._all(lambda: self._check_masters(engine))
         register = lambda: self.client.register(island, self.world_size, sig)  # noqa: E731
         reply = self._all(register if self.rank == 0 else lambda: None)  # one per island
         # Rank 0's registration number, on every rank: each rank's uploads carry it.
@@ -161,7 +164,7 @@ class Learner:
         self._agree_group = zero.agreement_group()  # the per-step agreement: off the GPU
         agree = functools.partial(zero.island_gather, group=self._agree_group)
         self.syncer = FragmentSyncer(
-            self.client, island, FragmentPlan.from_json(info["plan"]),
+            self.client, island, plan,
             Schedule(**info["schedule"]), zero.ZeroShardAccess(engine),
             world_size=self.world_size, rank=self.rank, alpha=alpha, agree=agree,
             keep_local_steps=keep_local_steps,
@@ -169,7 +172,12 @@ class Learner:
             align_phase=bool(info.get("align_phase", False)), incarnation=incarnation,
             run=str(info.get("run", "")),
         )  # fmt: skip
-        self.syncer.bootstrap()  # every rank now holds the global model, the same versions
+        try:
+            self.syncer.bootstrap()  # every rank now holds the global model, the same versions
+        except RuntimeError as e:  # on every rank together: close what it opened, then raise
+            self.syncer.close(timeout=0.0)
+            zero.destroy_group(self._agree_group)
+            raise LearnerError(f"island {island!r}: {e}") from e
         self._seen_step = engine.global_steps
         self._first = True  # the next optimizer step must be the engine's next
         self._tokens = 0
@@ -209,6 +217,18 @@ class Learner:
                     f"coordinator (no plan in its answer)"
                 )
             return info
+
+    def _check_masters(self, engine) -> None:
+        """Every trained parameter has an fp32 master: one that requires grad but that the
+        optimizer was not given has none, and its pseudo-gradient cannot be computed (a
+        bare KeyError from DeepSpeed, once the island had registered)."""
+        if missing := zero.trained_without_master(engine):
+            raise SetupError(
+                f"island {self.island!r}: {len(missing)} parameter(s) require grad but are in "
+                f"no optimizer group, so ZeRO-3 keeps no fp32 master of them "
+                f"({', '.join(missing[:3])}): give them to the optimizer, or "
+                "requires_grad_(False) them to keep them frozen"
+            )
 
     def _all(self, fn):
         """Run ``fn`` on this rank; if it failed on any rank of the island, raise on all."""
@@ -357,6 +377,8 @@ class Learner:
                 flush=flush,
             )  # fmt: skip
         except RuntimeError as e:  # raised on every rank together; the local model is intact
+            zero.destroy_group(self._agree_group)  # on every rank: a second close() returns
+            self._agree_group = None
             raise LearnerError(f"island {self.island!r}: {e}") from e
         self._exit_state["closed"] = True  # on the normal path: every rank got here
         zero.destroy_group(self._agree_group)  # done with it on every rank (not left to exit)

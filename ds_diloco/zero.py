@@ -228,6 +228,24 @@ def _compile_on_first_call():
         torch.compile = real
 
 
+def trained_without_master(engine) -> list[str]:
+    """Parameters that require grad but that no group of the engine's optimizer holds:
+    ZeRO-3 keeps no fp32 master of them (DeepSpeed raises a bare KeyError when asked)."""
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    out = []
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        try:
+            master = safe_get_local_fp32_param(p)
+        except (KeyError, IndexError, AttributeError):
+            master = None
+        if master is None:
+            out.append(name)
+    return out
+
+
 class ZeroShardAccess:
     """This rank's slices of the model, read from and written to ZeRO-3's partitions.
 

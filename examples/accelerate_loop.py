@@ -39,7 +39,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--save", help="save the run's merged model here at the end (HF folder)")
-    return p.parse_args()
+    args = p.parse_args()
+    if not Path(args.text).exists():  # before the island joins the run
+        p.error(f"--text {args.text}: no such file or folder (the demo's corpus: "
+                "bash launch/get_corpus.sh .cache/corpus .venv/bin/python)")  # fmt: skip
+    return args
 
 
 def main() -> None:

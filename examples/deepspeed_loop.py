@@ -44,7 +44,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save", help="save the run's merged model here at the end (HF folder)")
     p.add_argument("--freeze", help="regex: parameters whose names match are not trained")
     p.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
-    return p.parse_args()
+    args = p.parse_args()
+    if not Path(args.text).exists():  # before the island joins the run
+        p.error(f"--text {args.text}: no such file or folder (the demo's corpus: "
+                "bash launch/get_corpus.sh .cache/corpus .venv/bin/python)")  # fmt: skip
+    return args
 
 
 def main() -> None:

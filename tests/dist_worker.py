@@ -257,6 +257,22 @@ def scenario_no_token(spec, rank, world):
     return {"error": None}
 
 
+def scenario_unmastered(spec, rank, world):
+    """A parameter frozen when the engine was built, then set to require grad: it trains in
+    the user's eyes, yet the optimizer holds no fp32 master of it. The Learner refuses it on
+    every rank, naming it, before it registers (a bare KeyError from DeepSpeed before)."""
+    from ds_diloco.learner import Learner, LearnerError
+
+    engine = engine_for(spec, seed=0, freeze=spec["freeze"])
+    name = next(n for n, p in engine.module.named_parameters() if not p.requires_grad)
+    engine.module.get_parameter(name).requires_grad_(True)
+    try:
+        Learner(engine, spec["url"], "unmastered", token=spec["token"], connect_timeout_s=10.0)
+    except LearnerError as e:
+        return {"name": name, "error": str(e), "type": type(e).__name__}
+    return {"name": name, "error": None}
+
+
 def scenario_checkpoint_under_learner(spec, rank, world):
     """A DeepSpeed checkpoint loaded under a running Learner (steps go back), and one loaded
     after the Learner was built (it took the global model first): both refused, every rank."""
@@ -398,6 +414,7 @@ SCENARIOS = {
     "syncer": scenario_syncer,
     "pretrained": scenario_pretrained,
     "no_token": scenario_no_token,
+    "unmastered": scenario_unmastered,
 }
 
 

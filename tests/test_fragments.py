@@ -309,3 +309,20 @@ def test_join_phase_sends_with_the_rounds_after_a_restart():
     s2 = Schedule(sync_every=8, num_fragments=4, overlap=2)  # a send every 2 steps
     phase = s2.join_phase(clock=3.2, last_step=10)
     assert [s2.due(step + phase) for step in (11, 12)] == [s2.due(4), s2.due(5)] == [1, None]
+
+
+def test_a_signature_mismatch_is_said_in_parameters():
+    # The Learner's refusal gave two hash prefixes only: a wrapped or PEFT model, or one
+    # extra tensor, could not be told from them.
+    from ds_diloco.fragments import ParamSpec, spec_difference
+
+    run = [ParamSpec("embed.weight", (8, 4)), ParamSpec("a.weight", (4, 4)), ParamSpec("b", (4,))]
+    here = [
+        ParamSpec("embed.weight", (8, 4)),
+        ParamSpec("a.weight", (4, 2)),
+        ParamSpec("lora", (2,)),
+    ]
+    said = spec_difference(here, run)
+    assert "1 of the run's missing here (b)" in said and "1 not in the run's (lora)" in said
+    assert "1 of another shape (a.weight [4, 2] here, [4, 4] in the run)" in said
+    assert spec_difference(run[::-1], run) == "the same parameters in another order (from b)"

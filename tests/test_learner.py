@@ -49,10 +49,13 @@ def args(**kw):
     return types.SimpleNamespace(**{**base, **kw})
 
 
-def test_the_callback_needs_token_counts():
+@pytest.mark.parametrize("counting", ["no", False, None])
+def test_the_callback_needs_token_counts(counting):
+    # transformers 4.x's default is False: it passed, and every upload carried 0 tokens
+    # (weighed out: the island never counted in a merge, and nothing said so).
     cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
     with pytest.raises(LearnerError, match="include_num_input_tokens_seen=True"):
-        cb.on_train_begin(args(include_num_input_tokens_seen="no"), None, None)
+        cb.on_train_begin(args(include_num_input_tokens_seen=counting), None, None)
 
 
 def test_the_callback_needs_deepspeed():
@@ -125,8 +128,12 @@ def test_the_callback_joins_a_zero3_trainer_that_accelerate_launched(monkeypatch
     assert made == [(3, "ca.pem")]  # the CA an https:// coordinator is checked against
 
 
-@pytest.mark.parametrize("best", [False, True])
-def test_the_callback_sends_no_last_steps_after_the_trainer_loaded_its_best_checkpoint(best):
+@pytest.mark.parametrize(
+    ("best", "loaded"), [(False, None), (True, "out/checkpoint-8"), (True, None)]
+)
+def test_the_callback_sends_no_last_steps_after_the_trainer_loaded_its_best_checkpoint(
+    best, loaded
+):
     # load_best_model_at_end: the Trainer loads that checkpoint before on_train_end; the
     # flush then uploaded global - checkpoint (a pull back towards it), and it was merged.
     from types import SimpleNamespace
@@ -140,8 +147,9 @@ def test_the_callback_sends_no_last_steps_after_the_trainer_loaded_its_best_chec
 
     cb = DiLoCoCallback("http://127.0.0.1:1", island="a", tokens_per_step=1)
     cb.learner = Closing()
-    cb.on_train_end(SimpleNamespace(load_best_model_at_end=best), None, None)
-    assert cb.learner.kw["flush"] is (not best) and cb.learner.kw["leave"] is True
+    state = SimpleNamespace(best_model_checkpoint=loaded)  # None: no evaluation ran, none loaded
+    cb.on_train_end(SimpleNamespace(load_best_model_at_end=best), state, None)
+    assert cb.learner.kw["flush"] is (loaded is None) and cb.learner.kw["leave"] is True
 
 
 def test_the_errors_a_learner_step_raises_are_public():
@@ -150,3 +158,15 @@ def test_the_errors_a_learner_step_raises_are_public():
 
     assert ds_diloco.Superseded is syncer.Superseded and ds_diloco.Diverged is syncer.Diverged
     assert {"Diverged", "Superseded"} <= set(ds_diloco.__all__)
+
+
+def test_the_callbacks_micro_batches_keep_the_islands_lease():
+    # Only optimizer steps counted: a Trainer's long accumulation let the lease lapse.
+    from types import SimpleNamespace
+
+    alive = []
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", tokens_per_step=1)
+    cb.on_substep_end(None, None, None)  # not joined yet: nothing to keep
+    cb.learner = SimpleNamespace(syncer=SimpleNamespace(alive=lambda: alive.append(1)))
+    cb.on_substep_end(None, None, None)
+    assert alive == [1]

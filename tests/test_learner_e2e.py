@@ -174,6 +174,17 @@ def test_an_engine_that_is_not_zero3_is_refused(coordinator, tiny_config_path, t
     assert "a" not in coordinator.coord.status()["islands"]  # nothing registered
 
 
+@pytest.mark.parametrize("example", ["deepspeed_loop.py", "hf_trainer.py", "accelerate_loop.py"])
+def test_an_example_without_its_corpus_says_so_before_it_joins(example, tmp_path):
+    # On a fresh checkout (no .cache/corpus) the island joined the run, then failed in the
+    # data path naming 'data.path', a key the example does not have.
+    proc = subprocess.run([sys.executable, str(EXAMPLES / example), "--text", str(tmp_path / "no")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--text" in proc.stderr and "get_corpus.sh" in proc.stderr, (
+        proc.stderr[-2000:]
+    )
+
+
 def test_a_wrong_coordinator_address_fails_fast_with_the_address(tiny_config_path, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     args = common_args(tiny_config_path, tmp_path, url)

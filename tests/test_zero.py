@@ -146,6 +146,7 @@ def island(tmp_path_factory):
                 "syncer",
                 "pretrained",
                 "no_token",
+                "unmastered",
                 "checkpoint_under_learner",
                 "finite",
                 "resize_save",
@@ -437,6 +438,15 @@ def test_a_token_missing_on_one_rank_is_raised_on_every_rank(island):
     with_token, without = [r["error"] for r in island.both("no_token")]
     assert without is not None and "DS_DILOCO_TOKEN" in without, without
     assert with_token is not None and "on ranks [1]" in with_token, with_token
+
+
+def test_a_trained_parameter_the_optimizer_does_not_hold_is_refused_naming_it(island):
+    # It requires grad but has no fp32 master: the Learner failed in DeepSpeed with a bare
+    # KeyError, after the island had registered.
+    for r in island.both("unmastered"):
+        assert r["type"] == "SetupError", r
+        assert "in no optimizer group" in r["error"] and r["name"] in r["error"], r
+    assert "unmastered" not in island.server.coord.status()["islands"]  # it never registered
 
 
 def test_every_rank_agrees_whether_the_island_model_is_finite(island):
