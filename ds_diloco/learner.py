@@ -47,9 +47,11 @@ log = logging.getLogger(__name__)
 class LearnerError(RuntimeError):
     """This engine cannot join the run: the message says why (raised on every rank)."""
 
-    exit_code = 1
+    exit_code = 5
     """``ds-diloco island``'s exit status: a failure that ``ds-diloco run`` restarts (the
-    coordinator may be back by then)."""
+    coordinator may be back by then). Its own (not 1): every rank stops together, so the
+    rank seen exiting first is no failed slot's, and none is blamed for it (two such
+    deaths in a row had a healthy slot left out: ``downscale_after``)."""
 
 
 class SetupError(LearnerError):

@@ -46,6 +46,7 @@ from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.global_eval import HELDOUT_BLOCKS
+from ds_diloco.learner import LearnerError
 from ds_diloco.live_model import PeriodicEval, PeriodicExport
 from ds_diloco.rank_watch import RankWatch, local_rank
 from ds_diloco.slot_policy import SlotState, after_death, launch_slots
@@ -281,6 +282,7 @@ class LocalRun:
         self.url = ""
         # Supervision (see supervise): how to start each island again, restarts, what happened.
         self._island_args: dict[str, tuple] = {}
+        self._island_ports: dict[str, int] = {}  # master ports picked free, kept for restarts
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
         self._log_at: dict[str, int] = {}  # per island, its log's size when its launch began
@@ -431,7 +433,12 @@ class LocalRun:
         ``plain`` runs the same job as plain ZeRO-3, without the coordinator (benchmarks).
         """
         d = self.write_island_config(spec, shard, num_shards, plain).parent
-        port = spec.master_port or free_port()
+        # The same port for each launch, as a master_port the file names: a new one each
+        # restart used up a DS_DILOCO_PORTS range (ports handed out are not given again),
+        # and the run ended with "no free port" where it would have restarted the island.
+        port = spec.master_port or self._island_ports.get(spec.name)
+        if not port:
+            port = self._island_ports[spec.name] = free_port()
         slots = self._slots_for_launch(spec)
         cmd = [*launcher_cmd(spec, port, slots), "--module", "ds_diloco.cli", "island"]
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
@@ -581,9 +588,10 @@ class LocalRun:
             if first is not None:  # while the others ran: the launcher stopped those
                 why["first_to_die"] = f"rank {first}"
             self.event(what, island=name, exit=rc, restart_in_s=delay, **why)
-            # Neither a diverged model nor a stall is a dead slot's doing (in a stall the
-            # ranks that exit first are the ones left waiting for a frozen peer).
-            if rc != Diverged.exit_code and not stall:
+            # Neither a diverged model, nor a stall, nor a failure every rank raised together
+            # (LearnerError: could not reach the coordinator, ...) is a dead slot's doing (in
+            # a stall the ranks that exit first are the ones left waiting for a frozen peer).
+            if rc not in (Diverged.exit_code, LearnerError.exit_code) and not stall:
                 self._blame_slot(name, first)
         self._supervise_coordinator(now)
 
@@ -1119,13 +1127,20 @@ def resumed_starts(workdir: Path, point: dict, since: float) -> dict:
     return out
 
 
-def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> dict:
-    """Held-out loss of the initial and the merged model, and a sample from the merged one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def initial_loss(cfg: RunConfig, heldout: torch.Tensor) -> dict:
+    """Held-out loss of the model the run started from (built again from ``cfg.model``)."""
     from ds_diloco.hf_model import build_model, mean_loss
 
-    out = {"heldout_loss_initial": mean_loss(build_model(cfg.model), heldout)}
+    return {"heldout_loss_initial": mean_loss(build_model(cfg.model), heldout)}
+
+
+def evaluate(cfg: RunConfig, export_dir: Path | None, heldout: torch.Tensor) -> dict:
+    """Held-out loss of the merged model, and a sample from it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_diloco.hf_model import mean_loss
+
+    out = {}
     if export_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
         out["heldout_loss_merged"] = mean_loss(model, heldout)
@@ -1276,13 +1291,16 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     state = Path(cfg.coordinator.state_dir) / "coordinator.json"  # none if stopped starting
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = g = None
+    # Before the export: a run started from its own workdir's export (model.pretrained:
+    # runs/<run>/export) replaces that folder, and its "initial" loss was the merged one.
+    initial = initial_loss(cfg, heldout) if code == 0 else {}
     if cfg.export and code == 0:  # from the state dir: its generation config comes along
         tok = section_tokenizer(d)
         export_dir = lr.workdir / "export"
         g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)
     if code == 0:
-        summary.update(evaluate(cfg, export_dir, heldout))
+        summary.update({**initial, **evaluate(cfg, export_dir, heldout)})
     (lr.workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     _print_summary(summary)
     if g is not None:

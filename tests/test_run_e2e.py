@@ -275,12 +275,32 @@ def _supervise_until(lr: LocalRun, cond, what: str, timeout: float = 300) -> Non
         time.sleep(0.1)
 
 
+def _two_ports_of_this_workers_range() -> str:
+    """Two adjacent ports of this process's DS_DILOCO_PORTS range (or above 20000), free and
+    never handed out: a range with room for the coordinator and one island's launches."""
+    low, high = run_mod.port_range() or (20_000, 28_999)
+    for port in range(high - 1, low - 1, -2):
+        if {port, port + 1} & run_mod._PORTS_GIVEN:
+            continue
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return f"{port}-{port + 1}"
+    raise AssertionError("no two free ports")
+
+
 def test_a_killed_rank_takes_its_island_down_and_both_resume_from_its_checkpoint(
-    tmp_path, tiny_config_path
+    tmp_path, tiny_config_path, monkeypatch
 ):
     # ZeRO-3 cannot go on without a rank. One rank of a two-rank island is SIGKILLed: the
     # launcher stops the other (none waits in a collective for ever), the run restarts the
     # whole island after its backoff, and both ranks resume from their last checkpoint.
+    # In a range of two ports: the restart takes the island's port again (a new one each
+    # launch ran out of a firewall's range: "no free port", the run ended there).
+    monkeypatch.setenv(run_mod.PORTS_ENV, _two_ports_of_this_workers_range())
     lr = _two_rank_island(tmp_path, tiny_config_path, STEPS_KILL)
     island = lr.workdir / "islands" / "two"
     try:
@@ -533,13 +553,20 @@ def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
 def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconfigured_one(
     tmp_path, tiny_config_path
 ):
-    islands = [{"name": n, "world_size": 1} for n in "abcd"]
+    from ds_diloco.learner import LearnerError
+    from ds_diloco.slot_policy import SlotState
+
+    islands = [{"name": n, "world_size": 1} for n in "abcde"]
     path = write_run_file(tmp_path, tiny_config_path, islands, steps=1)
     lr = LocalRun(load_run_config(path))
     # Launchers that exited so: superseded, a failure, a config or input error (ValueError),
-    # a diverged model (NaN or Inf: restarted, it resumes a finite checkpoint).
+    # a diverged model (NaN or Inf: restarted, it resumes a finite checkpoint), a failure
+    # every rank raised together (LearnerError: restarted, and no slot blamed for it).
     exits = (("a", Superseded.exit_code), ("b", 1), ("c", INPUT_ERROR_EXIT),
-             ("d", Diverged.exit_code))  # fmt: skip
+             ("d", Diverged.exit_code), ("e", LearnerError.exit_code))  # fmt: skip
+    lr.rank_watch.first_dead = lambda name: 0  # as if rank 0 were seen dying first in each
+    for name in "be":
+        lr._launched_slots[name], lr.slot_states[name] = (0, 1), SlotState((0, 1))
     for name, code in exits:
         lr.islands[name] = subprocess.Popen(["sh", "-c", f"exit {code}"], start_new_session=True)
         lr.islands[name].wait()
@@ -551,10 +578,13 @@ def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconf
     lr.supervise()
     assert [(e["event"], e["island"]) for e in lr.events] == [
         ("island superseded", "a"), ("island died", "b"), ("island given up", "c"),
-        ("island diverged", "d")]  # fmt: skip
+        ("island diverged", "d"), ("island died", "e")]  # fmt: skip
     assert lr.events[2]["error"] == "train.freeze: 'x$' matches no parameter"
     assert lr.superseded == {"a"} and lr.given_up == {"a", "c"}
-    assert lr.restarts == {"b": 1, "d": 1}
+    assert lr.restarts == {"b": 1, "d": 1, "e": 1}
+    # Two deaths of b like that leave its slot 0 out (downscale_after 2); e's do not count:
+    # its ranks stopped together, whichever exited first.
+    assert (lr.slot_states["b"].streak, lr.slot_states["e"].streak) == ((0, 1), None)
     assert lr.failed_islands() == {"a": Superseded.exit_code, "c": INPUT_ERROR_EXIT}
     assert not lr.finished()  # b and d wait for their restarts
 
@@ -1184,6 +1214,7 @@ def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_p
     monkeypatch.setattr(run_mod, "_drive", lambda cfg, lr, point, heldout: (0, None, []))
     monkeypatch.setattr(ds_diloco.export, "export", export)
     monkeypatch.setattr(run_mod, "evaluate", lambda *a: {})
+    monkeypatch.setattr(run_mod, "initial_loss", lambda *a: {})
     assert run_mod.run(cfg) == 0
 
     card = (tmp_path / "run" / "export" / "README.md").read_text()

@@ -47,6 +47,7 @@ from ds_diloco.run import (
     LocalRun,
     ProgressPrinter,
     evaluate,
+    initial_loss,
     stop_deferred,
 )
 
@@ -353,7 +354,7 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     d = cfg.data
     tok = section_tokenizer(d)
     export = export_model(config, tensors, workdir / "export", tokenizer=tok)
-    quality = evaluate(cfg, Path(export), heldout)
+    quality = {**initial_loss(cfg, heldout), **evaluate(cfg, Path(export), heldout)}
     quality.pop("sample", None)
     return {
         "run": label,
