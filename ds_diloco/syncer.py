@@ -370,6 +370,7 @@ class FragmentSyncer:
         self._active_t = time.monotonic()  # the training thread's last step (IDLE_LEASE_S)
         self._longest_gap: float | None = None  # ... and its longest silence between two
         self._lease_kept = 0  # keep_lease() contexts open
+        self._said_no_tokens = False  # the warning of an upload with no tokens, once
         self._fetch_error = ""  # the last download that failed, and why (take_global's error)
         self._train_thread: int | None = None  # set once training starts
         self._threads = [
@@ -606,6 +607,15 @@ class FragmentSyncer:
                         self._not_ready = "its last result was applied only now"
                         self.stats.skipped_late += 1
             if send is not None:
+                if send_ok and send_tokens == 0 and not self._said_no_tokens:
+                    self._said_no_tokens = True  # once: every upload of it would say the same
+                    log.warning(
+                        "%s/%d fragment %d step %d: no tokens counted since its last sync on any "
+                        "rank: the coordinator drops such an upload (its weight is 0), so this "
+                        "island never counts in a merge, and a quorum K >= 2 may wait for it; "
+                        "pass Learner.step(tokens=...) the tokens each step trained on",
+                        self.island, self.rank, p, step,
+                    )  # fmt: skip
                 self._send(self.plan.fragments[p], step, send_ok, send_tokens)
         finally:
             if locked:

@@ -1403,3 +1403,20 @@ def test_a_shard_on_a_gpu_sends_and_applies_through_the_staged_copies(
                                       atol=1e-6), n  # fmt: skip
                 local = params[n].detach().cpu()
                 assert torch.allclose(local, glob[n] - trained_since, atol=1e-6), n
+
+
+def test_uploads_with_no_tokens_are_said_once_in_the_log(tiny_config_path, tmp_path, caplog):
+    # Learner.step(tokens=0) every step: each upload was dropped for its weight of 0, and
+    # nothing on the island's side said why it never counted in a merge.
+    import logging
+
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, seed=0), 1)
+        s.bootstrap()
+        with caplog.at_level(logging.WARNING, logger="ds_diloco.syncer"):
+            for step in range(1, 9):  # fragments 0 and 1 sent twice each
+                s.on_step(step, tokens=0)
+        s.close()
+    said = [r.getMessage() for r in caplog.records if "no tokens counted" in r.getMessage()]
+    assert len(said) == 1 and "Learner.step(tokens=...)" in said[0], said
