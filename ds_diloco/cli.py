@@ -51,7 +51,7 @@ def _island(args) -> int:
             code = e.exit_code
         except LearnerError as e:  # could not join (raised on every rank): one line, not a
             print(f"ds-diloco island: {e}", file=sys.stderr, flush=True)  # traceback per rank
-            code = e.exit_code  # 1: ds-diloco run restarts it; 2: its set-up is wrong
+            code = e.exit_code  # 5: ds-diloco run restarts it; 2: its set-up is wrong
         _exit_at_once = True  # done, or stopped for good: nothing left for teardown to do
     return code
 
