@@ -53,6 +53,9 @@ from ds_diloco.slot_policy import SlotState, after_death, launch_slots
 from ds_diloco.state_store import atomic_write
 from ds_diloco.syncer import Diverged, Superseded
 
+ISLANDS_FAILED = 1
+"""``ds-diloco run``'s exit status when islands were given up: the others' merged model is
+still exported and evaluated (it was not: an island of eight given up lost the export)."""
 PROGRESS_EVERY_S = 5.0
 QUIET_REPEAT_S = 60.0
 """An unchanged progress line is printed again only this often: alive, nothing new."""
@@ -1221,7 +1224,7 @@ def _drive(
     others = {n: rc for n, rc in failed.items() if n not in lr.superseded}
     if others:
         print(f"islands failed: {others} (see their log.txt)", flush=True)
-    return (1 if failed else 0), final_status, evals.records
+    return (ISLANDS_FAILED if failed else 0), final_status, evals.records
 
 
 def run(cfg: RunConfig, resume: bool = False) -> int:
@@ -1293,13 +1296,14 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     export_dir = g = None
     # Before the export: a run started from its own workdir's export (model.pretrained:
     # runs/<run>/export) replaces that folder, and its "initial" loss was the merged one.
-    initial = initial_loss(cfg, heldout) if code == 0 else {}
-    if cfg.export and code == 0:  # from the state dir: its generation config comes along
+    ended = code in (0, ISLANDS_FAILED)  # not stopped: the coordinator's model is the run's
+    initial = initial_loss(cfg, heldout) if ended else {}
+    if cfg.export and ended:  # from the state dir: its generation config comes along
         tok = section_tokenizer(d)
         export_dir = lr.workdir / "export"
         g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)
-    if code == 0:
+    if ended:
         summary.update({**initial, **evaluate(cfg, export_dir, heldout)})
     (lr.workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     _print_summary(summary)

@@ -1436,6 +1436,14 @@ def test_a_diverged_island_stops_is_restarted_and_never_checkpoints_a_non_finite
     said = "values whose squares overflow float32) at step 1: not checkpointed"
     assert log.count(said) == 2, log[-3000:]  # DeepSpeed skipped the NaN steps: 1e30 weights
     assert not (tmp_path / "run" / "islands" / "a" / "checkpoints" / "latest").exists()
+    # Given up, the run still exports and evaluates the coordinator's model (here the
+    # initial one: every upload was refused), and says the island failed (exit 1).
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["exit"] == run_mod.ISLANDS_FAILED == 1
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+    assert summary["heldout_loss_merged"] == pytest.approx(
+        summary["heldout_loss_initial"], abs=1e-4
+    )
 
 
 def test_a_merged_model_that_cannot_be_sampled_from_still_gets_its_summary(
