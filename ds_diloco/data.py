@@ -259,6 +259,11 @@ def _fingerprint(files: Sequence[str], vocab_size: int) -> dict:
     return {"version": _FINGERPRINT_VERSION, "vocab_size": vocab_size, "files": _file_stats(files)}
 
 
+def _has_records(files: Sequence[str]) -> bool:
+    """Some of ``files`` are ``.json``/``.jsonl``/``.parquet`` records (read by column)."""
+    return any(_suffix(f) in _LOADERS for f in files)
+
+
 def _training_texts(files: Sequence[str], text_field: str) -> Iterator[str]:
     for f in files:
         if _suffix(f) in _LOADERS:  # the column pack() reads, not the file's syntax or bytes
@@ -288,7 +293,7 @@ def train_tokenizer(
         raise ValueError(f"vocab_size={vocab_size}: must be at least {_MIN_VOCAB}")
     files = [str(f) for f in files]
     fingerprint = _fingerprint(files, vocab_size)
-    if any(_suffix(f) in _LOADERS for f in files):
+    if _has_records(files):
         # In the saved fingerprint, not in the folder's name: tokenizer_dir() callers
         # do not know the text_field, and must still find this folder.
         fingerprint["text_field"] = text_field
@@ -394,7 +399,7 @@ def load_text_dataset(
         raise ValueError(f"load_text_dataset: no such files {missing}")
     folder = Path(sources[0])
     saved = _saved_dataset(folder)
-    if len(sources) == 1 and folder.is_dir() and (saved or not _walk_corpus(folder)):
+    if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder, split)):
         ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
         return _text_column(ds, text_field, split)
 
@@ -407,12 +412,6 @@ def load_text_dataset(
         if group := [f for f in files if _LOADERS.get(_suffix(f)) == loader]:
             parts.append(_text_column(_loaded(loader, group), text_field, split))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-
-
-def _walk_corpus(folder: Path) -> bool:
-    """Whether a folder holds text or record files (else it is a dataset folder of
-    another kind, loaded by ``datasets.load_dataset``)."""
-    return any(_suffix(f) in {".txt", *_LOADERS} for f in _walk(folder))
 
 
 ENCODE_BATCH = 1024
@@ -437,7 +436,7 @@ def text_batches(source: str | os.PathLike, *, text_field: str = "text",
     sources come through their dataset, which ``datasets`` keeps memory-mapped."""
     local = os.path.exists(source) and not _saved_dataset(source)
     files = _corpus_files(Path(source), split) if local else []
-    if not (files and not any(_suffix(f) in _LOADERS for f in files)):
+    if not files or _has_records(files):
         records = load_text_dataset(source, text_field=text_field, split=split, subset=subset)
         yield from _batches(records)
         return
@@ -879,7 +878,9 @@ def prepare_corpus(
         if tokenizer is not None:  # the tokenizer's own vocabulary: the key is its content
             del corpus["vocab_size"]
     elif local:  # a dataset folder: rewriting it in place must change the key
-        corpus = {"version": _FINGERPRINT_VERSION, "files": _file_stats(_data_files(source, cache))}
+        # Hidden files (``datasets`` skips them too) and our cache (its mark, touched above)
+        # are left out by the walk, or writing blocks would move the key.
+        corpus = {"version": _FINGERPRINT_VERSION, "files": _file_stats(_walk(Path(source)))}
     else:  # a hub dataset name: keyed by name (and configuration)
         corpus = {"source": str(source), **({"subset": subset} if subset else {})}
     if tokenizer is not None:
@@ -903,7 +904,7 @@ def prepare_corpus(
     # What changes the tokens: a record file's column, a dataset's split (a folder's split
     # is the files listed, in the corpus's key already).
     key = dict(corpus)
-    if not files or any(_suffix(f) in _LOADERS for f in files):
+    if not files or _has_records(files):
         key["text_field"] = text_field
     if not files and split != "train":
         key["split"] = split
@@ -920,13 +921,6 @@ def prepare_section(d: DataConfig):
     """:func:`prepare_corpus` of a run's or an island's ``data`` section: (tokenizer, blocks)."""
     return prepare_corpus(d.path, d.cache_dir, d.vocab_size, d.seq_len, tokenizer=d.tokenizer,
                           text_field=d.text_field, split=d.split, subset=d.subset)  # fmt: skip
-
-
-def _data_files(folder: str | os.PathLike, cache: Path) -> list[Path]:
-    """The files a dataset folder may load from: hidden ones (which ``datasets`` skips
-    too) and our own cache are left out, or writing blocks would move the key."""
-    cache = cache.resolve()
-    return [f for f in _walk(Path(folder)) if cache not in f.resolve().parents]
 
 
 def _tokenizer_hash(tok) -> str:
@@ -959,7 +953,7 @@ def section_tokenizer(d: DataConfig) -> str:
 
 def _tokenizer_dir(cache_dir, files: Sequence[str], vocab_size: int, text_field: str) -> Path:
     key = _fingerprint(files, vocab_size)
-    if any(_suffix(f) in _LOADERS for f in files):  # another column: another tokenizer
+    if _has_records(files):  # another column: another tokenizer
         key["text_field"] = text_field  # (it was retrained in place, and shipped with
         # the models of the runs that had trained on the first one)
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]

@@ -286,8 +286,8 @@ def check_out_folder(out: str | os.PathLike) -> Path:
     A link is followed: its target is the folder replaced (the link itself was renamed
     away and a local folder put in its place: the export left the big disk it pointed to).
     """
-    out = Path(out).resolve()
-    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+    out, cwd = Path(out).resolve(), Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
         raise ValueError(
             f"output folder {str(out)!r} is the working directory or holds it: an export "
             "replaces its folder whole; name a folder of its own (e.g. --out export)"

@@ -401,8 +401,9 @@ class LocalRun:
         coord = {**plain_dict(c), "port": port, "token": None}
         coord.pop("token")
         coord["state_dir"] = str(Path(c.state_dir).resolve())
-        coord["model"] = {k: str(Path(v).resolve()) if k in ("pretrained", "config")
-                          and isinstance(v, str) and os.path.exists(v) else v for k, v in coord["model"].items()}  # fmt: skip
+        for key in ("pretrained", "config"):  # a path here, not a Hub name
+            if isinstance(path := coord["model"].get(key), str) and os.path.exists(path):
+                coord["model"][key] = str(Path(path).resolve())
         path = self.workdir / "coordinator.json"
         path.write_text(json.dumps(coord, indent=1))
         return path
