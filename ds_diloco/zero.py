@@ -326,6 +326,12 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
     between left it empty, so that every restart failed to load (seen in the chaos test).
     """
     tag = f"step{step}"
+    if torch.distributed.get_rank() == 0 and latest_tag(directory) != tag:
+        # A launch killed while saving this step left its files here, another number of
+        # ranks' among them: DeepSpeed writes beside them, and the universal conversion of
+        # a resized island reads every rank's file it finds (a stale or truncated one).
+        shutil.rmtree(directory / tag, ignore_errors=True)
+    torch.distributed.barrier()
     engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
     torch.distributed.barrier()  # every rank's files are in place
     if torch.distributed.get_rank() == 0:

@@ -474,6 +474,12 @@ def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island
     saved = island.result("resize_save", 0)
     out = island.out / "resized"
     out.mkdir()
+    # The two ranks were killed while saving step 4: rank 1's files are there, one of them
+    # cut short. The one-rank launch saves its own step 4 in that folder.
+    ckpt = Path(island.spec["resize_dir"])
+    (ckpt / "step4").mkdir()
+    shutil.copy(ckpt / "step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt", ckpt / "step4")
+    (ckpt / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
     problem = launch({**island.spec, "scenarios": ["resize_load"]}, out, world=1)
     assert problem is None, problem
     loaded = torch.load(out / "resize_load-rank0.pt")
@@ -492,6 +498,14 @@ def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island
     # Its next checkpoint makes the converted one stale: removed.
     assert {"latest", "step3", "step4"} <= set(loaded["after"]), loaded["after"]
     assert "universal" not in loaded["after"], loaded["after"]
+    # Only the one rank's files are in it, and it converts for a launch resized again (before,
+    # DeepSpeed read the dead rank's file too: "EOFError: Ran out of input").
+    assert sorted(p.name for p in (ckpt / "step4").iterdir()) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    ]  # fmt: skip
+    target = island.out / "resized-universal" / "step4"
+    assert zero._convert_to_universal(ckpt / "step4", target, 600.0) is None
+    assert (target / "zero").is_dir()
 
 
 def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(island, tmp_path):
