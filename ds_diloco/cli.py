@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from ds_diloco import gc_tuning
+from ds_diloco import gc_tuning, orphan_exit
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
@@ -24,6 +24,7 @@ _exit_at_once = False
 
 
 def _coordinator(args) -> int:
+    orphan_exit.watch_run()  # started by a run: stops with it
     with gc_tuning.paused_for_setup():  # until the server listens
         from ds_diloco.config import load_coordinator_config
         from ds_diloco.server import serve_forever
@@ -36,6 +37,7 @@ def _island(args) -> int:
     # `kill -USR1 <rank pid>` writes every thread's stack to the island's log, live (a rank
     # stuck for train.stall_exit_s writes them itself, and exits).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    orphan_exit.watch_run()  # started by a run: stops with it
     with gc_tuning.paused_for_setup():  # until the first step
         from ds_diloco.config import load_island_config
         from ds_diloco.island import run_island

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ds_diloco import orphan_exit
 from ds_diloco.cli import INPUT_ERROR_EXIT
 from ds_diloco.client import CoordinatorClient
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
@@ -198,7 +199,8 @@ def free_port() -> int:
 
 
 def _env(token: str, ranks: int) -> dict:
-    env = {**os.environ, TOKEN_ENV: token, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = {**os.environ, TOKEN_ENV: token, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           **orphan_exit.run_env()}  # fmt: skip
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
         # The run's ranks share this host's cores: an OMP_NUM_THREADS meant for one process
@@ -807,7 +809,7 @@ class ProgressPrinter:
 
 
 class Stopped(KeyboardInterrupt):
-    """The run was told to stop by a signal: SIGINT (Ctrl-C) or SIGTERM."""
+    """The run was told to stop by a signal: SIGINT (Ctrl-C), SIGTERM or SIGHUP."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -819,7 +821,9 @@ def stop_on_signals():
     """Inside, SIGINT and SIGTERM raise :class:`Stopped` in the main thread, whatever the
     process inherited: the islands and the coordinator live in process groups of their
     own, so a run killed outright would leave them all running (``kill PID``, a scheduler's
-    stop), and a run started in the background by a shell inherits SIGINT ignored."""
+    stop), and a run started in the background by a shell inherits SIGINT ignored. So does
+    SIGHUP (its terminal closed, its ssh session dropped), unless ignored: ``nohup`` asks
+    the run to outlive its terminal. (A run SIGKILLed: ``orphan_exit``.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -837,7 +841,10 @@ def stop_on_signals():
             return
         raise Stopped(signum)
 
-    old = {s: signal.signal(s, raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
+    old = {s: signal.signal(s, raise_stopped) for s in signals}
     try:
         yield
     finally:

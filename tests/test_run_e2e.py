@@ -550,6 +550,48 @@ def test_a_superseded_island_is_not_restarted_and_sigterm_stops_every_process(
     assert sum(state["merges"]) >= 1
 
 
+def test_a_run_killed_outright_takes_its_islands_and_coordinator_with_it(
+    tmp_path, tiny_config_path, kill_leftovers
+):
+    # SIGKILL (the OOM killer, kill -9) gives the run no stop of its own: its islands and
+    # coordinator, in process groups of their own, trained on unwatched, holding the ports
+    # and the workdir. Each now sees the run gone (orphan_exit) and stops itself: the
+    # coordinator saves its state, a rank exits and its launcher stops the other.
+    run_file = write_run_file(
+        tmp_path, tiny_config_path, [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 1}],
+        steps=5000,
+    )  # fmt: skip
+    out_path = tmp_path / "run.out"
+    with out_path.open("w") as out_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ds_diloco.cli", "run", str(run_file)],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=out_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    workdir = tmp_path / "run"
+    progress = {n: workdir / "islands" / n / "progress.jsonl" for n in ("a", "b")}
+
+    def running() -> list[str]:
+        return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+                if str(workdir) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+
+    try:
+        _wait_for(lambda: all(p.exists() and p.read_text().count("\n") >= 2
+                              for p in progress.values()), 300, "training")  # fmt: skip
+        assert len(running()) >= 4, running()  # the coordinator, two launchers, three ranks
+        proc.kill()
+        proc.wait()
+        _wait_for(lambda: not running(), 60, "the run's processes to stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        leftovers = kill_leftovers(workdir)
+    assert leftovers.strip() == "", leftovers
+    coordinator_log = (workdir / "coordinator.log").read_text()
+    gone_at = coordinator_log.find("the run that started this process")
+    assert gone_at >= 0, coordinator_log[-3000:]
+    assert "stopping: saving state" in coordinator_log[gone_at:], coordinator_log[-3000:]
+
+
 def test_the_supervisor_restarts_a_failed_island_but_not_a_superseded_or_misconfigured_one(
     tmp_path, tiny_config_path
 ):
@@ -1161,27 +1203,40 @@ def test_a_stop_signal_while_the_run_stops_lets_the_stop_finish(tmp_path, tiny_c
                 run_mod._signal_group(p, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_a_run_stopped_by_a_signal_says_so_with_what_it_has(
-    tmp_path, tiny_config_path, monkeypatch, capsys
+    tmp_path, tiny_config_path, monkeypatch, capsys, sig
 ):
     # Ctrl-C while the data is prepared (the coordinator is starting): the run stops, and its
-    # last lines said "run finished in N s", as if it had.
+    # last lines said "run finished in N s", as if it had. SIGHUP (its terminal closed, its
+    # ssh session dropped) killed the run outright, its islands and coordinator left running.
     import ds_diloco.data
 
     def interrupted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), sig)
         time.sleep(10)  # the handler raises here
-        raise AssertionError("SIGINT did not stop the run")
+        raise AssertionError(f"{sig.name} did not stop the run")
 
     monkeypatch.setattr(ds_diloco.data, "prepare_corpus", interrupted)
     path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
-    assert run_mod.run(load_run_config(path)) == 128 + signal.SIGINT
+    assert run_mod.run(load_run_config(path)) == 128 + sig
     out = capsys.readouterr().out
-    assert "run stopped by SIGINT after " in out and "finished" not in out, out
+    assert f"run stopped by {sig.name} after " in out and "finished" not in out, out
     assert "0 tokens over 0 islands" in out, out  # the figures it has
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["exit"] == 130 and summary["stopped_by"] == "SIGINT"
+    assert summary["exit"] == 128 + sig and summary["stopped_by"] == sig.name
     assert summary["events"] == [] and not (tmp_path / "run" / "export").exists()
+
+
+def test_a_run_under_nohup_keeps_sighup_ignored():
+    # nohup: the run is asked to outlive its terminal.
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with run_mod.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_the_model_card_of_a_run_gives_the_runs_settings(tmp_path, tiny_config_path, monkeypatch):
