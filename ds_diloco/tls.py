@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
+import time
 
 CA_FILE_ENV = "DS_DILOCO_CA_FILE"
 """A PEM bundle that clients trust for the coordinator's certificate when none is given."""
@@ -36,6 +37,14 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
             f"tls_cert {cert!r} and tls_key {key!r} are not a PEM certificate and its "
             f"private key: {e.reason or e}"
         ) from None
+    # Every client refuses an expired certificate: the coordinator served it, and each
+    # island failed its handshake. (The standard library's one reader of its dates.)
+    expires = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(cert)["notAfter"])
+    if expires < time.time():
+        raise ValueError(
+            f"tls_cert {cert!r} expired on {time.strftime('%Y-%m-%d', time.gmtime(expires))}: "
+            "clients refuse it; give it a new certificate"
+        )
     return ctx
 
 

@@ -6,6 +6,7 @@ the coordinator serves HTTPS with tls_cert/tls_key, and clients check its certif
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -162,6 +163,19 @@ def test_tls_settings_are_checked_when_loaded(certs, tiny_config_path, tmp_path)
                                 "coordinator_ca": "ca.pem"}))  # fmt: skip
     with pytest.raises(ValueError, match=r"^coordinator_ca: CA file '.*ca.pem' .* does not exist"):
         load_island_config(path)
+
+
+def test_an_expired_certificate_is_refused_at_start(tmp_path):
+    # Loaded without a word, it was served, and every island's handshake then failed.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    leaf = trustme.CA().issue_cert(
+        "127.0.0.1", not_before=now - datetime.timedelta(days=30),
+        not_after=now - datetime.timedelta(days=1),
+    )  # fmt: skip
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    with pytest.raises(ValueError, match=r"^tls_cert '.*cert.pem' expired on \d{4}-\d\d-\d\d"):
+        tls.server_context(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
 
 
 def test_a_coordinator_others_can_reach_without_tls_is_warned_about():
