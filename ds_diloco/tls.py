@@ -30,8 +30,12 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
         if not os.path.isfile(path):
             raise ValueError(f"{name} {path!r} does not exist")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+
+    def encrypted():  # else OpenSSL asks for its pass phrase on the terminal, and waits
+        raise ValueError(f"tls_key {key!r} is encrypted: give it unencrypted (openssl pkey)")
+
     try:
-        ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(cert, key, password=encrypted)
     except ssl.SSLError as e:
         raise ValueError(
             f"tls_cert {cert!r} and tls_key {key!r} are not a PEM certificate and its "

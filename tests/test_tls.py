@@ -178,6 +178,23 @@ def test_an_expired_certificate_is_refused_at_start(tmp_path):
         tls.server_context(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
 
 
+def test_an_encrypted_key_is_refused_without_asking_for_its_pass_phrase(certs, tmp_path):
+    # OpenSSL asked for it on the terminal (the coordinator waited there), or failed with
+    # "OSError: [Errno 22] Invalid argument" without one.
+    key = subprocess.run(
+        ["openssl", "pkey", "-in", str(certs / "key.pem"), "-aes256", "-passout", "pass:pw"],
+        capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    (tmp_path / "key.pem").write_bytes(key)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from ds_diloco import tls\n"
+         "try: tls.server_context(*sys.argv[1:])\nexcept ValueError as e: print(e)",
+         str(certs / "cert.pem"), str(tmp_path / "key.pem")],
+        capture_output=True, text=True, timeout=60, start_new_session=True,  # no terminal
+    )  # fmt: skip
+    assert proc.stdout.startswith(f"tls_key '{tmp_path / 'key.pem'}' is encrypted"), proc
+
+
 def test_a_coordinator_others_can_reach_without_tls_is_warned_about():
     for host in ("127.0.0.1", "::1", "localhost"):
         assert tls.clear_text_warning(host, tls=False) is None, host
