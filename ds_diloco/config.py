@@ -220,6 +220,8 @@ class CoordinatorConfig:
 
     def url_at(self, host: str, port: int) -> str:
         """This coordinator's URL when it listens at ``host:port``."""
+        if ":" in host:  # IPv6: http://::1:8470 is no URL (a run's islands were refused it)
+            host = f"[{host}]"
         return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
 
     def resolve_token(self) -> str:

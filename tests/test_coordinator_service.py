@@ -196,6 +196,13 @@ def test_initial_global_model_is_the_seeded_hf_model(server, tiny_config_path):
         assert torch.equal(got[n], p.detach()), n
 
 
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_a_coordinator_on_an_ipv6_address_gives_its_url_in_brackets(tiny_config_path, tmp_path):
+    with ServerThread(make_cfg(tiny_config_path, tmp_path / "s", host="::1")) as srv:
+        assert srv.url == f"http://[::1]:{srv.port}"
+        assert CoordinatorClient(srv.url, TOKEN, retries=0).health()["ok"]
+
+
 def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_path):
     theta = server.coord.global_tensors()
     weights = [TOKENS[i] ** 2 / STEPS[i] for i in ISLANDS]
