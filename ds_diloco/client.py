@@ -136,7 +136,8 @@ class CoordinatorClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._token = token
-        self._headers = {"Authorization": f"Bearer {token}"}
+        # (a newline, as from an environment variable set from a file: not a header value)
+        self._headers = {"Authorization": f"Bearer {token.strip()}"}
         self._local = threading.local()  # this thread's connection
         # Every thread's connection, for close() and interrupt(); dropped with the thread.
         self._conns: weakref.WeakKeyDictionary[threading.Thread, http.client.HTTPConnection]

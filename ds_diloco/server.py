@@ -123,7 +123,11 @@ class _Buffers:
 class CoordinatorServer:
     def __init__(self, coordinator: Coordinator, token: str, max_body_bytes: int, workers: int = 4):
         self.coord = coordinator
-        self._token = token.encode()
+        # A header's value never ends in white space (parsers strip it): a token read with
+        # its newline (an environment variable set from a file) admitted no request.
+        if not token.strip():
+            raise ValueError("the bearer token is empty")
+        self._token = token.strip().encode()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="coord")
         self._kick: asyncio.Event | None = None
         self._round_task: asyncio.Task | None = None

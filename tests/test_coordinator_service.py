@@ -203,6 +203,17 @@ def test_a_coordinator_on_an_ipv6_address_gives_its_url_in_brackets(tiny_config_
         assert CoordinatorClient(srv.url, TOKEN, retries=0).health()["ok"]
 
 
+def test_a_token_with_a_trailing_newline_is_the_token(tiny_config_path, tmp_path, monkeypatch):
+    # As a secret mounted as an environment variable has it: the coordinator took only
+    # "Bearer tok\n" (which no header can carry) and the client could not send it.
+    monkeypatch.setenv("DS_DILOCO_TOKEN", TOKEN + "\n")
+    with ServerThread(make_cfg(tiny_config_path, tmp_path / "s", token=None)) as srv:
+        for token in (TOKEN + "\n", TOKEN):
+            assert CoordinatorClient(srv.url, token, retries=0).status()["versions"] == [0] * 4
+        with pytest.raises(RefusedError, match="wrong bearer token"):
+            CoordinatorClient(srv.url, "wrong", retries=0).status()
+
+
 def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_path):
     theta = server.coord.global_tensors()
     weights = [TOKENS[i] ** 2 / STEPS[i] for i in ISLANDS]
