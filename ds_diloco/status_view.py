@@ -173,7 +173,10 @@ def main(args) -> int:
     try:
         while True:
             try:
-                st = client.status()
+                try:
+                    st = client.status()
+                except json.JSONDecodeError as e:  # a proxy's page, say: ended the watch
+                    raise StatusError(f"the answer is not JSON ({e})") from None
                 text = json.dumps(st, indent=1) if args.json else render(st, client.url)
             except RefusedError as e:  # a wrong token: no use asking again
                 raise ValueError(f"{client.url} refused: {e.message}") from None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import threading
+import time
 
 import psutil
 import pytest
@@ -129,6 +132,37 @@ def test_status_says_in_one_line_what_kept_it_from_an_answer(server, capsys, mon
     (tmp_path / "token").write_text(TOKEN + "\n")  # what a run writes as state_dir/token
     code, out, _ = _status(capsys, server.url, "--token-file", str(tmp_path / "token"))
     assert code == 0 and out.startswith(f"coordinator {server.url}")
+
+
+def test_an_answer_that_is_not_json_is_a_line_and_the_watch_goes_on(capsys, monkeypatch):
+    class Page(http.server.BaseHTTPRequestHandler):  # what a proxy in front may answer
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"<html></html>")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        code, _, err = _status(capsys, url, "--token", TOKEN)
+        assert code == 2 and f"no status from {url}: the answer is not JSON" in err, err
+        polls = []
+
+        def sleep(s):  # the second poll's wait ends the watch (Ctrl-C)
+            polls.append(s)
+            if len(polls) == 2:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(time, "sleep", sleep)
+        code, out, _ = _status(capsys, url, "--token", TOKEN, "--watch", "5")
+        assert code == 0 and out.count(f"no status from {url}: the answer is not JSON") == 2
+    finally:
+        httpd.shutdown()
 
 
 def test_render_refuses_a_document_that_is_not_a_status():
