@@ -181,7 +181,7 @@ class CoordinatorServer:
     async def _auth(self, request, handler):
         if request.path.startswith("/v1/"):
             header = request.headers.get("Authorization", "")
-            if not header.startswith("Bearer "):
+            if header[:7].lower() != "bearer ":  # the scheme is case-insensitive (RFC 9110)
                 raise CoordinatorError(401, "missing bearer token (Authorization: Bearer ...)")
             # Headers are decoded with surrogateescape: encode back the same way (bytes that
             # are not UTF-8 are a wrong token, not a 500).

@@ -8,6 +8,7 @@ The expected global model is computed here with plain tensors and torch's SGD.
 from __future__ import annotations
 
 import gc
+import http.client
 import logging
 import math
 import random
@@ -212,6 +213,17 @@ def test_a_token_with_a_trailing_newline_is_the_token(tiny_config_path, tmp_path
             assert CoordinatorClient(srv.url, token, retries=0).status()["versions"] == [0] * 4
         with pytest.raises(RefusedError, match="wrong bearer token"):
             CoordinatorClient(srv.url, "wrong", retries=0).status()
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    # "bearer TOKEN" (curl by hand, some clients) was "missing bearer token".
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    for scheme, status in (("bearer", 200), ("BEARER", 200), ("Basic", 401)):
+        conn.request("GET", "/v1/plan", headers={"Authorization": f"{scheme} {TOKEN}"})
+        r = conn.getresponse()
+        assert (r.status, scheme) == (status, scheme), r.read()
+        r.read()
+    conn.close()
 
 
 def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_path):
