@@ -186,6 +186,23 @@ def test_grace_window_picks_up_islands_that_arrive_after_the_first():
     assert with_grace.goodput > without.goodput + 0.3
 
 
+def test_a_dead_island_does_not_hold_up_the_rounds_it_has_not_sent_to():
+    # Two one-slice islands, K = 2: island 1's slice fails for good at 1000 s. Once it is
+    # not live the policy caps K to 1, so the rounds island 0 sent to while island 1 was
+    # re-forming must close too; left open, island 0 never takes their merged values and
+    # its uploads of every other fragment come stale from then on.
+    from ds_diloco.simulate.diloco import simulate_diloco
+    from ds_diloco.simulate.trace import Trace
+
+    cfg = SimConfig(chips=512, chips_per_slice=256, islands=2, days=0.1, step_cv=0.0,
+                    repair_s=1e6, systems=("diloco",))  # fmt: skip
+    trace = Trace(times=np.array([1000.0]), slices=np.array([1]))
+    k1 = simulate_diloco(cfg, trace)
+    k2 = simulate_diloco(cfg.replace(min_quorum=2), trace)
+    assert k2.stats["stale"] == k1.stats["stale"] == 0
+    assert k2.goodput == pytest.approx(k1.goodput, abs=1e-3)
+
+
 def test_send_schedule_matches_the_islands_fragment_schedule():
     cfg = SimConfig(num_fragments=4, sync_every=8, overlap=2)
     sched = Schedule(sync_every=8, num_fragments=4, overlap=2)

@@ -369,6 +369,12 @@ class _Sim:
         if self.live[m] == 0:
             self.mode[m] = DEAD
             self.n_dead += 1
+            # The coordinator's schedule loop re-decides every open round: one waiting for
+            # this island's upload (K capped by the live islands) would otherwise wait for
+            # an arrival that never comes, its islands' later sends of it included.
+            for p in range(self.P):
+                if self.r_isl[p]:
+                    self._decide(p, t)
             return
         lead = self._leader()
         waiting = [k for k in range(self.M) if self.mode[k] == WAIT]
