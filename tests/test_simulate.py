@@ -424,6 +424,15 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("name", ["goodput", "goodput.xyz", "goodput.pdf"])
+def test_cli_plot_is_a_png_at_the_path_given(name, tmp_path, capsys):
+    png = tmp_path / name
+    argv = ["simulate", "--chips", "150k", "--islands", "2", "--days", "0.01", "--plot", str(png)]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
 def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert cli_main(["simulate", "--chips", "150k", "--days", "-1"]) == 2
     assert "--days must be a finite number > 0" in capsys.readouterr().err  # named by flag

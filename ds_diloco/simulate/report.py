@@ -222,7 +222,9 @@ def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> N
     ax.set_title("Goodput vs cluster size (simulated; same failure trace per size)")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # A PNG at the very path given: left to its suffix, matplotlib appends ".png" to a
+    # path without one and refuses an unknown one after the whole simulation has run.
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
