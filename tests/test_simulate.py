@@ -433,6 +433,23 @@ def test_cli_plot_is_a_png_at_the_path_given(name, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == [name]
 
 
+def test_cli_json_is_strict_json_without_failures(tmp_path, capsys):
+    # --chip-mtbi-s inf (no failures) is allowed; JSON has no Infinity for it.
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--chips", "512", "--islands", "2", "--days", "0.01",
+            "--chip-mtbi-s", "inf"]  # fmt: skip
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    doc = strict(out.read_text())
+    assert {c["chip_mtbi_s"] for c in doc["configs"]} == {"inf"}
+    capsys.readouterr()
+    assert cli_main([*argv, "--json", "-"]) == 0
+    assert strict(capsys.readouterr().out)["rows"] == doc["rows"]
+
+
 def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert cli_main(["simulate", "--chips", "150k", "--days", "-1"]) == 2
     assert "--days must be a finite number > 0" in capsys.readouterr().err  # named by flag

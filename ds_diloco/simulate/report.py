@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: only when one size is asked for)")  # fmt: skip
     p.add_argument("--plot", metavar="PNG", default=None, help="write goodput vs chips as a PNG")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="write the results as JSON ('-': to stdout, instead of the tables)")  # fmt: skip
+                   help="write the results as JSON ('-': to stdout, instead of the tables; an "
+                   "infinite value, such as --chip-mtbi-s inf, as the string \"inf\")")  # fmt: skip
     model = p.add_argument_group("model parameters (defaults: the calibrated ones)")
     for f in dataclasses.fields(SimConfig):
         if f.name not in _OWN:
@@ -228,6 +229,18 @@ def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> N
     plt.close(fig)
 
 
+def _strict(x):
+    """``x`` with every float that JSON cannot hold (``--chip-mtbi-s inf``: no failures)
+    as its string, "inf": ``json`` writes ``Infinity``, which JSON parsers refuse."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         p = argparse.ArgumentParser(prog="ds-diloco simulate", description=__doc__)
@@ -257,12 +270,12 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     published_diloco = [
         {"chips": n, "islands": m, "goodput": g} for (n, m), g in PUBLISHED_DILOCO.items()
     ]
-    doc = {**result.to_dict(), "published": {**PUBLISHED, "diloco": published_diloco}}
+    doc = _strict({**result.to_dict(), "published": {**PUBLISHED, "diloco": published_diloco}})
     planned = [] if tolerance is None else plans(result, args.chips, cfg.chips_per_slice, tolerance)
     if planned:
         doc["plan"] = [p.to_dict() for p in planned]
     if args.json == "-":
-        json.dump(doc, sys.stdout, indent=1)
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
         print()
     else:
         print(tables(result, args.chips, cfg.chips_per_slice))
@@ -275,7 +288,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             print()
         print(f"{cfg.days:g} simulated days, seed {cfg.seed}, {result.wall_s:.1f}s wall")
     if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
     if args.plot:
         plot(result, args.chips, cfg.chips_per_slice, args.plot)
     return 0
