@@ -316,6 +316,23 @@ def test_config_errors_name_the_field(changes, field):
         SimConfig(**changes)
 
 
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"chips": 1.2e6}, "chips"), ({"islands": 2.0}, "islands"), ({"overlap": 2.5}, "overlap"),
+     ({"min_quorum": True}, "min_quorum"), ({"seed": 1.5}, "seed"), ({"step_s": "5"}, "step_s")],
+)  # fmt: skip
+def test_config_refuses_a_value_of_the_wrong_type_naming_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"SimConfig\.{field} must be an? (integer|number)"):
+        SimConfig(**{"days": 0.01, **changes})
+
+
+def test_config_takes_numpy_numbers_as_plain_ones():
+    cfg = SimConfig(chips=np.int64(150_000), islands=np.int32(2), days=np.float64(0.01))
+    assert type(cfg.chips) is int and type(cfg.days) is float
+    json.dumps(cfg.to_dict())  # what --json writes
+    assert SimConfig(days=1).days == 1.0 and type(SimConfig(days=1).days) is float
+
+
 def test_parse_count():
     assert parse_count("150k") == 150_000
     assert parse_count("1.2M") == 1_200_000

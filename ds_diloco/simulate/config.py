@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 from ds_diloco.round_policy import PolicyOptions
@@ -213,6 +214,17 @@ class SimConfig:
         def bad(field: str, need: str) -> ValueError:
             return ValueError(f"SimConfig.{field} {need}, got {getattr(self, field)!r}")
 
+        # Typed: a float count (chips=1.2e6) failed deep in the run with a TypeError and a
+        # float step count (overlap=2.5) ran; numpy numbers are taken as plain ones (JSON).
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", "float"):
+                kind = numbers.Integral if f.type == "int" else numbers.Real
+                if isinstance(v, bool) or not isinstance(v, kind):
+                    raise bad(
+                        f.name, "must be an integer" if f.type == "int" else "must be a number"
+                    )
+                setattr(self, f.name, int(v) if f.type == "int" else float(v))
         for name in ("chips", "islands", "chips_per_slice", "num_fragments", "sync_every"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
