@@ -482,9 +482,16 @@ def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert [r["islands"] for r in json.loads(capsys.readouterr().out)["rows"]] == [2]
     assert cli_main([*argv, "--chips-per-island", "500"]) == 0
     assert [r["islands"] for r in json.loads(capsys.readouterr().out)["rows"]] == [2]
-    for bad, says in ((["--chips-per-island", "0"], "--chips-per-island must be 1..1000"),
-                      (["--chips-per-island", "5000"], "--chips-per-island must be 1..1000"),
+    for bad, says in ((["--chips-per-island", "0"], "--chips-per-island must be 256..1000"),
+                      (["--chips-per-island", "5000"], "--chips-per-island must be 256..1000"),
+                      # under a slice: more islands than slices, not a flag not given
+                      (["--chips-per-island", "100"], "--chips-per-island must be 256..1000"),
+                      (["--chips-per-island", "100", "--chips-per-slice", "50"], None),
                       (["--chips", ","], "--chips: give at least one")):  # fmt: skip
+        if says is None:
+            assert cli_main([*argv, *bad]) == 0, capsys.readouterr().err
+            assert [r["islands"] for r in json.loads(capsys.readouterr().out)["rows"]] == [10]
+            continue
         assert cli_main([*argv, *bad]) == 2, bad
         assert says in capsys.readouterr().err, bad
 

@@ -105,9 +105,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if not args.chips:
         raise ValueError("--chips: give at least one cluster size (150k,1.2M,...)")
     cpi = getattr(args, "chips_per_island", None)
-    if cpi is not None and not 1 <= cpi <= min(args.chips):
-        raise ValueError(f"--chips-per-island must be 1..{min(args.chips)} (the smallest "
-                         f"--chips), got {cpi}")  # fmt: skip
+    # An island holds whole slices: under a slice, M = chips // this is over the slices,
+    # and that was refused as --islands, a flag not given.
+    lo = over.get("chips_per_slice", SimConfig.chips_per_slice)
+    if cpi is not None and not max(lo, 1) <= cpi <= min(args.chips):
+        raise ValueError(f"--chips-per-island must be {max(lo, 1)}..{min(args.chips)} (one "
+                         f"slice, --chips-per-slice, to the smallest --chips), got {cpi}")  # fmt: skip
     # Checked here against the largest size: the fewest islands asked for (M per size
     # comes from --islands or --chips-per-island, not from this default).
     islands = min(args.islands) if getattr(args, "islands", None) else 1
