@@ -534,6 +534,16 @@ def test_sweep_runs_every_quorum_up_to_each_m():
         sweep_configs(cfg, [150_000], [2], quorums=[3])
 
 
+def test_cli_runs_a_value_given_twice_once(capsys):
+    argv = ["simulate", "--chips", "150k,150k", "--islands", "2,2", "--min-quorum", "1,1",
+            "--systems", "elastic,diloco,elastic", "--days", "0.01", "--json", "-"]  # fmt: skip
+    assert cli_main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["system"], r["islands"]) for r in rows] == [("elastic", 1), ("diloco", 2)]
+    assert cli_main([*argv[:3], "--islands", ",", "--days", "0.01"]) == 2
+    assert "--islands: give at least one M" in capsys.readouterr().err
+
+
 def test_cli_plan_sweeps_quorums_and_recommends_per_size(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--min-quorum", "1,2",

@@ -257,7 +257,7 @@ class SimConfig:
             raise bad("overlap", f"(tau) must be in [0, sync_every={self.sync_every})")
         if self.overlap < 1:
             raise bad("overlap", "(tau) must be >= 1 for the grace-window policy")
-        self.systems = tuple(self.systems)
+        self.systems = tuple(dict.fromkeys(self.systems))  # one row each, in order
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems:
             raise bad("systems", f"must be a non-empty subset of {SYSTEMS}")

@@ -111,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if cpi is not None and not max(lo, 1) <= cpi <= min(args.chips):
         raise ValueError(f"--chips-per-island must be {max(lo, 1)}..{min(args.chips)} (one "
                          f"slice, --chips-per-slice, to the smallest --chips), got {cpi}")  # fmt: skip
+    if getattr(args, "islands", None) == []:  # ',' is not the default 2,4,8,16
+        raise ValueError("--islands: give at least one M (2,4,...)")
     # Checked here against the largest size: the fewest islands asked for (M per size
     # comes from --islands or --chips-per-island, not from this default).
     islands = min(args.islands) if getattr(args, "islands", None) else 1

@@ -83,7 +83,8 @@ def sweep_configs(
     not run for that M (K <= M); M with no quorum of ``quorums`` at most M is an error."""
     if chips_per_island is not None and chips_per_island < 1:
         raise ValueError(f"chips_per_island must be >= 1, got {chips_per_island}")
-    islands = tuple(islands)
+    # Each value once, like the quorums: a size or M given twice ran twice (twice the rows).
+    chips, islands = tuple(dict.fromkeys(chips)), tuple(dict.fromkeys(islands))
     quorums = tuple(dict.fromkeys(quorums)) or (cfg.min_quorum,)
     if min(quorums) < 1:
         raise ValueError(f"quorums must be >= 1, got {min(quorums)}")
