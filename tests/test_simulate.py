@@ -544,6 +544,15 @@ def test_cli_runs_a_value_given_twice_once(capsys):
     assert "--islands: give at least one M" in capsys.readouterr().err
 
 
+def test_published_diloco_cell_is_shown_for_the_papers_quorum_only(capsys):
+    argv = ["simulate", "--chips", "1.2M", "--islands", "8", "--min-quorum", "1,2",
+            "--systems", "diloco", "--days", "0.002"]  # fmt: skip
+    assert cli_main(argv) == 0
+    goodput = capsys.readouterr().out.split("uptime %")[0]
+    assert "M=8  " in goodput and "M=8, K=2" in goodput
+    assert goodput.count("[88]") == 1  # published with K = 1, the paper's
+
+
 def test_cli_plan_sweeps_quorums_and_recommends_per_size(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["simulate", "--chips", "150k,300k", "--islands", "2,4", "--min-quorum", "1,2",

@@ -141,9 +141,9 @@ def _nominal(chips: int, requested: list[int], slice_chips: int) -> int:
     return chips
 
 
-def _published(system: str, chips: int, islands: int) -> int | None:
-    if system == "diloco":
-        return PUBLISHED_DILOCO.get((chips, islands))
+def _published(system: str, chips: int, islands: int, quorum: int = 1) -> int | None:
+    if system == "diloco":  # the paper's K = 1: no published cell for another quorum
+        return PUBLISHED_DILOCO.get((chips, islands)) if quorum == 1 else None
     return PUBLISHED.get(system, {}).get(chips)
 
 
@@ -163,7 +163,7 @@ def tables(result: Result, requested: list[int], slice_chips: int) -> str:
                 if r.label == label:
                     n = _nominal(r.chips, requested, slice_chips)
                     cell = f"{100 * getattr(r, metric):.1f}"
-                    pub = _published(r.system, n, r.islands)
+                    pub = _published(r.system, n, r.islands, r.min_quorum)
                     if metric == "goodput" and pub is not None:
                         cell += f" [{pub}]"
                     cells[n] = cell
@@ -212,7 +212,7 @@ def plot(result: Result, requested: list[int], slice_chips: int, path: str) -> N
         rows = sorted((r for r in result.rows if r.label == label), key=lambda r: r.chips)
         xs = [_nominal(r.chips, requested, slice_chips) for r in rows]
         (line,) = ax.plot(xs, [100 * r.goodput for r in rows], marker="o", label=label)
-        pts = [(x, _published(r.system, x, r.islands)) for x, r in zip(xs, rows)]
+        pts = [(x, _published(r.system, x, r.islands, r.min_quorum)) for x, r in zip(xs, rows)]
         pts = [(x, y) for x, y in pts if y is not None]
         if pts:
             ax.plot(*zip(*pts), ls="--", marker="s", mfc="none", color=line.get_color(),
