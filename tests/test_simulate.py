@@ -309,6 +309,7 @@ def test_free_checkpoints_are_taken_every_step():
         ({"systems": ("dp", "ring")}, "systems"),
         ({"grace_gamma": 1.0}, "grace_gamma"),
         ({"seed": -1}, "seed"),
+        ({"islands": 2, "min_quorum": 3}, "min_quorum"),
     ],
 )
 def test_config_errors_name_the_field(changes, field):

@@ -261,6 +261,9 @@ class SimConfig:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems:
             raise bad("systems", f"must be a non-empty subset of {SYSTEMS}")
+        # The policy would cap it to M, the row still saying K; sweep() runs K <= M only.
+        if "diloco" in self.systems and self.min_quorum > self.islands:
+            raise bad("min_quorum", f"(K) must be <= islands (M={self.islands})")
         try:
             self.policy  # noqa: B018  (validates K, gamma and the cap with the coordinator's rules)
         except ValueError as e:
