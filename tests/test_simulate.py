@@ -377,6 +377,9 @@ def test_work_beyond_the_caps_is_refused_up_front_and_paper_scale_is_well_within
         SimConfig(days=1e7, systems=("dp",))  # 30 GiB of trace
     with pytest.raises(ValueError, match=r"chip failures .* raise SimConfig\.chip_mtbi_s"):
         SimConfig(chip_mtbi_s=1.0)
+    # A day's run with a repair time of 30 years: the repair time is what to lower.
+    with pytest.raises(ValueError, match=r"chip failures .* lower SimConfig\.repair_s or"):
+        SimConfig(days=1, repair_s=1e9, systems=("dp",))
     with pytest.raises(ValueError, match=r"island steps .* raise SimConfig\.step_s"):
         SimConfig(chips=150_000, islands=2, days=1, step_s=1e-6, systems=("diloco",))
     with pytest.raises(ValueError, match=r"island steps"):  # a fixed global batch: short steps

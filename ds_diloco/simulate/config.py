@@ -296,11 +296,15 @@ class SimConfig:
                 "lower SimConfig.chips or raise SimConfig.chips_per_slice"
             )
         if not w["failures"] <= MAX_FAILURES:
+            # The trace also holds the failures of the repair time before the start (the
+            # slices away at time 0): a long repair_s alone can be what is over the cap.
+            span = "days" if self.duration_s >= self.repair_s else "repair_s"
             raise ValueError(
                 f"SimConfig: about {w['failures']:.3g} chip failures to simulate "
-                f"({self.used_chips} chips, {self.days:g} days, a failure per chip every "
+                f"({self.used_chips} chips, {self.days:g} days plus the repair time "
+                f"{self.repair_s:g} s before them, a failure per chip every "
                 f"{self.chip_mtbi_s:.3g} s) is over the cap of {MAX_FAILURES:.0e}: "
-                "lower SimConfig.days or SimConfig.chips, or raise SimConfig.chip_mtbi_s"
+                f"lower SimConfig.{span} or SimConfig.chips, or raise SimConfig.chip_mtbi_s"
             )
         if not w["island_steps"] <= MAX_ISLAND_STEPS:
             raise ValueError(
