@@ -247,8 +247,11 @@ def run_island(cfg: IslandConfig, plain: bool = False) -> dict:
         if plain:
             learner = _NoSync()
         else:  # joins the run: registers, checks the model, takes the global fragments
+            # cfg.token, else $DS_DILOCO_TOKEN, read by the Learner: one missing on some nodes
+            # only (the launcher passes them none of the shell's variables) raises on every
+            # rank, not on theirs alone while the others wait for them in a collective.
             learner = Learner(
-                engine, cfg.coordinator_url, cfg.island, token=cfg.resolve_token(),
+                engine, cfg.coordinator_url, cfg.island, token=cfg.token,
                 alpha=cfg.train.blend_alpha, keep_local_steps=cfg.train.keep_local_steps,
                 connect_timeout_s=cfg.connect_timeout_s, ca_file=cfg.coordinator_ca,
             )  # fmt: skip

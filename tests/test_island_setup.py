@@ -3,6 +3,7 @@ the inner learning-rate schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -10,7 +11,7 @@ import math
 
 import pytest
 
-from ds_diloco.config import DataConfig, IslandConfig, ModelSource, TrainConfig
+from ds_diloco.config import TOKEN_ENV, DataConfig, IslandConfig, ModelSource, TrainConfig
 from ds_diloco.island import _launch_failure, deepspeed_config, lr_multiplier
 
 
@@ -85,3 +86,33 @@ def test_a_value_error_while_training_is_a_failure_of_the_launch_not_of_its_inpu
     with failing as caught, _launch_failure("a", 1):
         raise ValueError("no median for empty data")
     assert not isinstance(caught.value, ValueError)
+
+
+def test_a_token_missing_on_some_nodes_is_left_to_the_learner_which_raises_on_every_rank(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    # The deepspeed launcher starts a multi-node island's ranks over ssh with none of the
+    # shell's variables: DS_DILOCO_TOKEN may be set on some nodes only. The island asked
+    # IslandConfig.resolve_token() first, which raised on the ranks without it alone (exit
+    # status 2) while the others waited for them in the Learner's first collective (on gloo
+    # "Connection closed by peer"; on NCCL a hang). The Learner agrees on it over the island.
+    from ds_diloco import island as island_module
+
+    class Joined(Exception):
+        pass
+
+    def learner(engine, url, name, *, token, **kwargs):
+        raise Joined(token)
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setattr(island_module.zero, "init_distributed", lambda: (1, 2))
+    monkeypatch.setattr(island_module, "load_blocks", lambda cfg, rank: (None, None))
+    monkeypatch.setattr(island_module.zero, "build_engine", lambda *args: object())
+    monkeypatch.setattr(island_module, "Learner", learner)
+    cfg = dataclasses.replace(island(tmp_path, tiny_config_path, {}), workdir=str(tmp_path / "w"))
+    with pytest.raises(Joined) as joined:
+        island_module.run_island(cfg)
+    assert joined.value.args == (None,)  # the Learner looks for $DS_DILOCO_TOKEN itself
+    with pytest.raises(Joined) as joined:
+        island_module.run_island(dataclasses.replace(cfg, token="from-config"))
+    assert joined.value.args == ("from-config",)
