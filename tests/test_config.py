@@ -320,6 +320,68 @@ def test_multinode_islands_take_disjoint_shards(tmp_path):
     assert all(c.num_shards == 2 for c in cfgs)
 
 
+MULTINODE_README = REPO / "launch" / "multinode" / "README.md"
+
+
+def launcher_command(args: list[str], env_file: Path, monkeypatch) -> str:
+    """What the deepspeed launcher runs on an island's nodes over ssh (pdsh) for ``args``
+    (a ``deepspeed`` command line), started in the repository with ``env_file`` as its
+    ``.deepspeed_env``; nothing is run."""
+    import signal
+    import subprocess
+
+    import deepspeed.launcher.runner as runner
+
+    pdsh = env_file.parent / "bin" / "pdsh"  # the launcher looks for it on PATH
+    pdsh.parent.mkdir(exist_ok=True)
+    pdsh.write_text("#!/bin/sh\n")
+    pdsh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{pdsh.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setattr(runner, "DEEPSPEED_ENVIRONMENT_PATHS", [str(env_file.parent)])
+    monkeypatch.setattr(runner, "DEEPSPEED_ENVIRONMENT_NAME", env_file.name)
+    monkeypatch.chdir(REPO)
+    commands = []
+
+    class Started:
+        returncode = 0
+
+        def __init__(self, cmd, env=None):
+            commands.append(" ".join(cmd))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "check_call", lambda *a, **k: 0)  # its ssh check
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # its handlers: not in pytest
+    runner.main(args)
+    assert len(commands) == 1 and commands[0].startswith("pdsh "), commands
+    return commands[0]
+
+
+def test_multinode_ranks_get_the_token_the_way_the_readme_says(tmp_path, monkeypatch):
+    """The launcher starts an island's ranks over ssh with none of the shell's variables but
+    a few prefixes' (NCCL, PYTHON, ...) and the lines of ``.deepspeed_env``: the token
+    exported in the shell reaches no rank (each failed: no token), the README's way does."""
+    text = MULTINODE_README.read_text()
+    command = re.search(r"On node-a1: `deepspeed ([^`]+)`", text).group(1).split()
+    assert command[command.index("--hostfile") + 1] == "launch/multinode/hostfile-island-a"
+    monkeypatch.setenv(TOKEN_ENV, "exported")
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text("GLOO_SOCKET_IFNAME=eth0\n")
+    ran = launcher_command(command, env_file, monkeypatch)
+    assert "-w node-a1,node-a2 " in ran and "--master_addr=node-a1 " in ran
+    assert ran.endswith("--module --enable_each_rank_log=None ds_diloco.cli island --config "
+                        "launch/multinode/island-a.yaml")  # fmt: skip
+    assert "export GLOO_SOCKET_IFNAME=eth0;" in ran and TOKEN_ENV not in ran
+    # The README's line in .deepspeed_env, its placeholder filled in.
+    line = re.search(rf"`({TOKEN_ENV}=<[^`>]+>)` in `\.deepspeed_env`", text)
+    assert line, f"{MULTINODE_README.name} does not say to put {TOKEN_ENV}=... in .deepspeed_env"
+    env_file.write_text(re.sub(r"<.+>", "s3cret", line.group(1)) + "\n")
+    assert f"export {TOKEN_ENV}=s3cret;" in launcher_command(command, env_file, monkeypatch)
+
+
 NAN, INF = float("nan"), float("inf")
 # A run file whose paths all exist (data.path "t" is made beside it).
 RUN = {"model": {"config": str(TINY)}, "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"},
