@@ -320,6 +320,16 @@ def test_multinode_islands_take_disjoint_shards(tmp_path):
     assert all(c.num_shards == 2 for c in cfgs)
 
 
+@pytest.mark.parametrize("path", [p for p in ISLAND_FILES if "multinode" in str(p)], ids=str)
+def test_a_multinode_island_files_comments_name_its_own_island_and_files(path, tmp_path):
+    island = load_shipped_island(path, tmp_path).island
+    header = "".join(line for line in path.read_text().splitlines(True) if line.startswith("#"))
+    assert f'# Island "{island}":' in header, header
+    names = re.findall(r"launch/multinode/(\S+)", header)
+    assert names == [f"hostfile-island-{island}", path.name], names
+    assert all((path.parent / name).is_file() for name in names)
+
+
 MULTINODE_README = REPO / "launch" / "multinode" / "README.md"
 
 
