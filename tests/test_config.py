@@ -6,6 +6,7 @@ repository is loaded here, so a renamed field cannot leave a stale example behin
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -331,6 +332,23 @@ def test_a_multinode_island_files_comments_name_its_own_island_and_files(path, t
 
 
 MULTINODE_README = REPO / "launch" / "multinode" / "README.md"
+
+
+def test_the_multinode_readmes_commands_parse_and_name_files_of_the_repository():
+    """Every ``ds-diloco`` command of the README (run from the repository, as the launcher's
+    is) takes its flags, and the files it names are there."""
+    spans = re.findall(r"`((?:ds-diloco|deepspeed) [^`]+)`", MULTINODE_README.read_text())
+    # Whole commands, not a name in the text ('`ds-diloco export --from` take ...').
+    commands = [c for c in spans if len(c.split()) > 2 and not c.split()[-1].startswith("-")]
+    assert len(commands) == 6, commands
+    for command in commands:
+        words = command.split()
+        for flag, value in itertools.pairwise(words):
+            if flag in ("--config", "--data", "--hostfile"):
+                assert (REPO / value).is_file(), f"{command}: {value} is no file of the repository"
+        if words[0] == "deepspeed":  # its script's own arguments after --module's module
+            words = ["ds-diloco", *words[words.index("ds_diloco.cli") + 1 :]]
+        cli.build_parser().parse_args(words[1:])
 
 
 def launcher_command(args: list[str], env_file: Path, monkeypatch) -> str:
