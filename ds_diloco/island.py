@@ -106,7 +106,25 @@ def deepspeed_config(cfg: IslandConfig, world_size: int, warn: bool = False) -> 
         log.warning("deepspeed_config %s: its %s section(s) are not used: the inner optimizer "
                     "is AdamW with train.lr, train.weight_decay, train.warmup_steps and "
                     "train.lr_schedule", cfg.deepspeed_config, " and ".join(unused))  # fmt: skip
+    # Any other "auto" is the HF Trainer's to fill: DeepSpeed drops one for its default
+    # (bf16.enabled: off, an fp32 island) or keeps the string (gradient_clipping: a
+    # TypeError at the first step).
+    auto = next(_autos(ds), None)
+    if auto is not None:
+        raise ValueError(
+            f'deepspeed_config {cfg.deepspeed_config}: {auto} is "auto", which only the Hugging '
+            "Face Trainer fills (ds_diloco fills the batch sizes alone, from train): give it a value"
+        )
     return ds
+
+
+def _autos(section: dict, where: str = ""):
+    """The dotted keys of ``section`` whose value is "auto"."""
+    for key, value in section.items():
+        if value == "auto":
+            yield f"{where}{key}"
+        elif isinstance(value, dict):
+            yield from _autos(value, f"{where}{key}.")
 
 
 def lr_multiplier(t: TrainConfig, step: int) -> float:

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import math
+import re
 
 import pytest
 
@@ -47,6 +48,31 @@ def test_a_batch_size_the_file_sets_otherwise_is_refused_not_replaced(
     cfg = island(tmp_path, tiny_config_path, given, micro_batch=4, grad_accum=2)
     with pytest.raises(ValueError, match=message):
         deepspeed_config(cfg, 1)
+
+
+@pytest.mark.parametrize(
+    ("given", "key"),
+    [
+        ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),  # DeepSpeed: off, an fp32 island
+        ({"gradient_clipping": "auto"}, "gradient_clipping"),  # a TypeError at the first step
+        ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+         "zero_optimization.reduce_bucket_size"),  # DeepSpeed's default, not the Trainer's
+    ],
+)  # fmt: skip
+def test_an_auto_that_only_the_hf_trainer_fills_is_refused_naming_it(
+    tmp_path, tiny_config_path, given, key
+):
+    # Hugging Face's example configs say "auto" throughout; DeepSpeed itself drops an "auto"
+    # it meets for its default (bf16 off: the island trained in fp32, silently) or keeps it
+    # (gradient_clipping: '>' not supported between 'str' and 'float' in the first step).
+    cfg = island(tmp_path, tiny_config_path, given)
+    with pytest.raises(ValueError, match=rf'{re.escape(key)} is "auto"'):
+        deepspeed_config(cfg, 1)
+
+
+def test_an_auto_in_the_unused_optimizer_section_is_left_with_it(tmp_path, tiny_config_path):
+    sections = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    assert "optimizer" not in deepspeed_config(island(tmp_path, tiny_config_path, sections), 1)
 
 
 def test_the_files_optimizer_and_scheduler_are_not_used_and_it_is_said(
