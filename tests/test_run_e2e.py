@@ -1219,7 +1219,11 @@ def test_a_run_stopped_by_a_signal_says_so_with_what_it_has(
 
     monkeypatch.setattr(ds_diloco.data, "prepare_corpus", interrupted)
     path = write_run_file(tmp_path, tiny_config_path, [{"name": "a", "world_size": 1}], steps=1)
-    assert run_mod.run(load_run_config(path)) == 128 + sig
+    before = signal.signal(sig, signal.SIG_DFL)  # a suite under nohup has SIGHUP ignored
+    try:
+        assert run_mod.run(load_run_config(path)) == 128 + sig
+    finally:
+        signal.signal(sig, before)
     out = capsys.readouterr().out
     assert f"run stopped by {sig.name} after " in out and "finished" not in out, out
     assert "0 tokens over 0 islands" in out, out  # the figures it has
