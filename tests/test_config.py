@@ -738,6 +738,31 @@ def test_unreadable_files_are_refused(tmp_path, text, message):
         load_coordinator_config(tmp_path / "missing.yaml")
 
 
+def test_config_files_that_cannot_be_read_are_refused_naming_them(tmp_path, capsys, monkeypatch):
+    """A folder, a file that cannot be read and one that is not UTF-8: one line naming it."""
+    with pytest.raises(ValueError, match=r"config file '.*' is a folder, not a file"):
+        load_coordinator_config(tmp_path)
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"state_dir: \xff\xfe\n")
+    with pytest.raises(ValueError, match=r"config file '.*c\.yaml' is not UTF-8 text"):
+        load_coordinator_config(binary)
+    unreadable = tmp_path / "u.yaml"
+    unreadable.write_text("state_dir: s\n")
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # chmod 000 does not stop root
+        if self == unreadable:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(ValueError, match=r"config file '.*u\.yaml' cannot be read: Permission"):
+        load_run_config(unreadable)
+    assert cli.main(["run", str(unreadable)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-diloco: error: config file ") and len(err.splitlines()) == 1, err
+
+
 def test_equal_keys_in_different_mappings_and_merge_overrides_load(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
