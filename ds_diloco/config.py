@@ -743,12 +743,16 @@ def from_dict(cls, data: Any, where: str = ""):
             f"unknown key(s) {', '.join(repr(where + k) for k in unknown)}; "
             f"known: {', '.join(sorted(names))}"
         )
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    if missing:  # named by dotted path, not as the dataclass's __init__ arguments
+        raise ValueError(f"missing key(s) {', '.join(repr(where + k) for k in missing)}")
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _convert(hints[name], value, f"{where}{name}")
     try:
         return cls(**kwargs)
-    except TypeError as e:  # a missing required field
+    except TypeError as e:  # a rule comparing what it cannot: one line all the same
         raise ValueError(f"{where or cls.__name__}: {e}") from None
     except ValueError as e:
         # A nested section's own rule (PolicyOptions.tau, ...): say where it sits in the

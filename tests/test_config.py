@@ -841,8 +841,27 @@ def test_ints_are_accepted_for_floats():
 
 @pytest.mark.parametrize("missing", ["model", "state_dir"])
 def test_missing_required_field_is_named(missing):
-    with pytest.raises(ValueError, match=f"'{missing}'"):
+    with pytest.raises(ValueError, match=f"^missing key\\(s\\) '{missing}'$"):
         from_dict(CoordinatorConfig, with_changes(MINIMAL, {missing: ...}))
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"data.path": ...}, "missing key(s) 'data.path'"),
+        ({"islands": [{"world_size": 1}]}, "missing key(s) 'islands.name'"),
+        ({"deepspeed_config": ...}, "missing key(s) 'deepspeed_config'"),
+    ],
+)
+def test_a_run_files_missing_keys_are_named_by_dotted_path(tmp_path, changes, message):
+    """Not as a dataclass's __init__ arguments ('data.: DataConfig.__init__() missing 1
+    required keyword-only argument: 'path'')."""
+    run = {"model": {"config": str(TINY)}, "deepspeed_config": str(ZERO3_CPU),
+           "data": {"path": str(tmp_path)}, "islands": [{"name": "a"}],
+           "workdir": str(tmp_path / "run")}  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        load_run_config(write_yaml(tmp_path / "run.yaml", with_changes(run, changes)))
+    assert str(e.value) == message
 
 
 # --------------------------------------------------------------- validation rules
