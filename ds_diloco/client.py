@@ -125,11 +125,15 @@ class CoordinatorClient:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"coordinator URL must be http(s)://HOST[:PORT], got {url!r}")
+        try:
+            port = parts.port  # parsed when asked for: 'Port out of range 0-65535' named nothing
+        except ValueError as e:
+            raise ValueError(f"coordinator URL {url!r}: {e}") from None
         self.ca_file = ca_file
         # https: the certificate is checked against ca_file, else $DS_DILOCO_CA_FILE, else
         # the system's CAs (ds_diloco/tls.py).
         self._tls = tls.client_context(ca_file) if parts.scheme == "https" else None
-        self._host, self._port = parts.hostname, parts.port
+        self._host, self._port = parts.hostname, port
         self._prefix = parts.path
         self.timeout_s = timeout_s
         self.retries = retries

@@ -18,6 +18,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -522,10 +523,15 @@ class IslandConfig:
             raise ValueError(
                 f"shard must be in [0, num_shards={self.num_shards}), got {self.shard}"
             )
-        if not self.coordinator_url.startswith(("http://", "https://")):
+        url = urlsplit(self.coordinator_url)
+        if not self.coordinator_url.startswith(("http://", "https://")) or not url.hostname:
             raise ValueError(
                 f"coordinator_url must be http(s)://host:port, got {self.coordinator_url!r}"
             )
+        try:  # checked here, not in every rank as it reaches the coordinator
+            _ = url.port
+        except ValueError as e:  # 'Port out of range 0-65535'
+            raise ValueError(f"coordinator_url {self.coordinator_url!r}: {e}") from None
         if self.coordinator_ca and not self.coordinator_url.startswith("https://"):
             raise ValueError(
                 f"coordinator_ca is set but coordinator_url {self.coordinator_url!r} is not "

@@ -351,6 +351,10 @@ def test_a_downloads_opened_ago_header_is_read_and_a_bad_one_named(raw):
 def test_a_bad_url_is_refused_with_its_name():
     with pytest.raises(ValueError, match="ftp://x"):
         CoordinatorClient("ftp://x", "t")
+    # A port urllib cannot read: the URL named, not a bare 'Port out of range 0-65535'.
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:abc"):
+        with pytest.raises(ValueError, match=rf"^coordinator URL '{url}': Port"):
+            CoordinatorClient(url, "t")
 
 
 def test_a_rank_reaching_the_coordinator_by_name_does_not_load_the_idna_codec():

@@ -948,6 +948,16 @@ def test_rules_hold_for_direct_construction_too():
         ({"start_together": -1}, "start_together must be >= 0"),
         ({"shard": 2, "num_shards": 2}, r"shard must be in \[0, num_shards=2\)"),
         ({"coordinator_url": "10.0.0.1:8470"}, "coordinator_url must be http"),
+        ({"coordinator_url": "http://:8470"}, "coordinator_url must be http"),
+        # Refused at load, not in every rank as it reaches the coordinator.
+        (
+            {"coordinator_url": "http://10.0.0.1:99999"},
+            r"^coordinator_url 'http://10.0.0.1:99999': Port out of range",
+        ),
+        (
+            {"coordinator_url": "http://10.0.0.1:abc"},
+            r"^coordinator_url 'http://10.0.0.1:abc': Port",
+        ),
         # The coordinator's rule for island ids: they go into URLs and file paths.
         *[
             ({"island": n}, rf"^island must be 1-128 of .*, got {re.escape(repr(n))}")
