@@ -10,23 +10,28 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from ds_diloco.config import ModelSource
+from ds_diloco.config import ModelSource, _check_model_config
 
 
 def build_model(source: ModelSource):
     """A float32 causal LM on the CPU from a pretrained folder or from a config + seed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # A config.json that is not a model's (a coordinator's fresh start): named, not a
+    # transformers OSError traceback or its advice to add a model_type key.
     if source.pretrained:
         if not os.path.isdir(source.pretrained):
             raise ValueError(f"model.pretrained {source.pretrained!r} is not a folder")
+        _check_model_config(Path(source.pretrained), "model.pretrained")
         return AutoModelForCausalLM.from_pretrained(source.pretrained, dtype=torch.float32)
     path = source.config
     if not os.path.exists(path):
         raise ValueError(f"model.config {path!r} does not exist")
+    _check_model_config(Path(path), "model.config")
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(source.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

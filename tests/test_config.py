@@ -694,6 +694,18 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
     assert cfg.state_dir == "/abs/state"  # absolute paths are kept as they are
 
 
+def test_a_model_that_is_not_one_is_refused_naming_the_key_when_built(tmp_path):
+    """What a coordinator's fresh start builds: a model.config that is not a model's
+    config, or a pretrained folder with none, named (a transformers OSError traceback,
+    or its 'Should have a `model_type` key in its config.json')."""
+    (tmp_path / "bad.json").write_text("not json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^model\.config: '.*bad\.json' is not valid JSON"):
+        build_model(ModelSource(config=str(tmp_path / "bad.json")))
+    with pytest.raises(ValueError, match=r"^model\.pretrained '.*empty' holds no config\.json"):
+        build_model(ModelSource(pretrained=str(tmp_path / "empty")))
+
+
 def test_json_file_and_coordinator_section(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**MINIMAL, "num_fragments": 2, "sync_every": 4}))
