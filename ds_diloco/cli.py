@@ -395,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_outputs(args) -> None:
-    """Every command's output files (``--json``, ``--plot``; ``-`` is stdout) can be written:
-    checked before the command runs (a simulation, a benchmark, a chaos run: minutes), not
-    when its result is written at the end, and lost."""
+    """Every command's output files (``--json``, ``--plot``; ``-`` is stdout) can be written,
+    and its output folders (``--workdir``, ``--tensorboard``) are not files: checked before
+    the command runs (a simulation, a benchmark, a chaos run: minutes), not when its result
+    is written at the end, and lost."""
     for name in ("json", "plot"):
         path = getattr(args, name, None)
         if not isinstance(path, str) or path in ("", "-"):
@@ -410,6 +411,15 @@ def _check_outputs(args) -> None:
             raise ValueError(f"{flag} {path}: the folder {folder} {what}")
         if not os.access(folder, os.W_OK):
             raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+    for name in ("workdir", "tensorboard"):  # folders, made when missing
+        path = getattr(args, name, None)
+        if not isinstance(path, str) or not path:
+            continue
+        nearest = os.path.abspath(path)
+        while not os.path.exists(nearest):
+            nearest = os.path.dirname(nearest)
+        if not os.path.isdir(nearest):  # a FileExistsError or NotADirectoryError traceback
+            raise ValueError(f"--{name} {path}: {nearest} is a file, not a folder")
 
 
 def program() -> int:

@@ -131,6 +131,22 @@ def test_eval_refuses_bad_arguments_in_one_line(tmp_path, data_file, capsys, ext
     assert code == 2 and message in capsys.readouterr().err
 
 
+def test_output_folders_that_are_files_are_refused_before_the_command_runs(
+    tmp_path, data_file, capsys
+):
+    """eval --tensorboard, chaos and bench quality's --workdir: a file, or below one, was a
+    FileExistsError or NotADirectoryError traceback once the work had begun."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    run = tmp_path / "run.yaml"  # never read: refused first
+    for argv in (["eval", "--from", str(tmp_path), "--data", str(data_file), "--tensorboard"],
+                 ["chaos", str(run), "--workdir"], ["bench", "quality", "--workdir"]):  # fmt: skip
+        for path in (a_file, a_file / "below"):
+            assert cli_main([*argv, str(path)]) == 2, argv
+            err = capsys.readouterr().err
+            assert err == f"ds-diloco: error: {argv[-1]} {path}: {a_file} is a file, not a folder\n"
+
+
 def test_eval_needs_a_file_with_a_data_section_and_a_token_for_a_url(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DS_DILOCO_TOKEN", raising=False)
     bare = tmp_path / "c.yaml"
