@@ -60,6 +60,18 @@ def describe(record: dict) -> str:
             f"{record['heldout_loss']:.4f}")  # fmt: skip
 
 
+def _check_device(device: str) -> None:
+    """``--device`` names a device of this machine."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+
+
 def main(args) -> int:
     """``ds-diloco eval``: evaluate once, or (``--every-merges``) each time the merges,
     summed over fragments, pass the next multiple, until ``--count`` or Ctrl-C."""
@@ -77,6 +89,7 @@ def main(args) -> int:
         raise ValueError(f"--count must be >= 1, got {args.count}")
     token = resolve_token(args, args.source) if is_url(args.source) else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device)  # before the corpus is read, not a traceback once the model is
     heldout = heldout_blocks(load_data_config(args.data), args.blocks)
     board = None
     if args.tensorboard:

@@ -124,6 +124,9 @@ def test_a_watch_evaluates_now_and_after_every_n_merges(tiny_config_path, data_f
         (["--every-merges", "2"], "--every-merges needs a running coordinator's URL"),
         (["--every-merges", "0"], "--every-merges must be >= 1, got 0"),
         (["--blocks", "0"], "held-out blocks: need at least 1, got 0"),
+        # Not a RuntimeError or AssertionError traceback once the model was read.
+        (["--device", "banana"], "--device 'banana' is not a device (cpu, cuda, cuda:1, ...)"),
+        (["--device", f"cuda:{torch.cuda.device_count()}"], "CUDA device(s)"),
     ],
 )
 def test_eval_refuses_bad_arguments_in_one_line(tmp_path, data_file, capsys, extra, message):
