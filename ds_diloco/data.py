@@ -841,6 +841,22 @@ class BlockLoader:
         self.seed, self.tokens_seen = int(state["seed"]), int(state["tokens_seen"])
 
 
+def load_tokenizer(folder: str | os.PathLike, where: str = "data.tokenizer"):
+    """The Hugging Face tokenizer in ``folder``; a folder transformers loads none from is
+    named (its own message is six lines advising to install sentencepiece or tiktoken)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0].rstrip(": ") if str(e).strip() else repr(e)
+        hint = ("; a model.pretrained folder is the tokenizer where data.tokenizer names none"
+                if where == "data.tokenizer" else "")  # fmt: skip
+        raise ValueError(
+            f"{where} {str(folder)!r} holds no tokenizer transformers can load ({first}){hint}"
+        ) from None
+
+
 def prepare_corpus(
     source: str | os.PathLike,
     cache_dir: str | os.PathLike,
@@ -861,8 +877,6 @@ def prepare_corpus(
     content, so a second call (with any ``seq_len``) only maps the token file.
     Safe to call from every rank at once (writes are atomic), cheaper one at a time.
     """
-    from transformers import AutoTokenizer
-
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be at least 1")
     local = os.path.exists(source)
@@ -884,7 +898,7 @@ def prepare_corpus(
     else:  # a hub dataset name: keyed by name (and configuration)
         corpus = {"source": str(source), **({"subset": subset} if subset else {})}
     if tokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        tok = load_tokenizer(tokenizer)
         corpus = {**corpus, "tokenizer": _tokenizer_hash(tok)}  # retrained in place: new key
     elif files:
         out = _tokenizer_dir(cache, files, vocab_size, text_field)

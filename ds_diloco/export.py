@@ -441,7 +441,9 @@ def export_model(
     tokenizer folder's generation_config.json (a pretrained model folder has one),
     else derived from the model config. Returns the folder.
     """
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
+
+    from ds_diloco.data import load_tokenizer
 
     config = _hf_config(config_dict)
     if isinstance(dtype, str):
@@ -452,7 +454,7 @@ def export_model(
     if tokenizer is not None:  # before any writing: a bad tokenizer leaves no half export
         if not Path(tokenizer).is_dir():
             raise ValueError(f"tokenizer {str(tokenizer)!r} is not a folder")
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        tok = load_tokenizer(tokenizer, "tokenizer")
         if len(tok) > config.vocab_size:
             raise ValueError(
                 f"tokenizer {str(tokenizer)!r} has {len(tok)} tokens, more than the model's "

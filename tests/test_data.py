@@ -509,6 +509,19 @@ def test_pack_and_prepare_corpus_refuse_a_corpus_without_text(tmp_path, tokenize
         data.prepare_corpus(corpus, tmp_path / "cache", VOCAB, 32)
 
 
+def test_a_tokenizer_folder_holding_none_is_named_in_one_line(tmp_path):
+    """A model folder exported without its tokenizer (model.pretrained, no data.tokenizer):
+    transformers' six lines advising to install sentencepiece, naming no key or folder."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError) as e:
+        data.prepare_corpus(SONNETS, tmp_path / "cache", VOCAB, 32, tokenizer=folder)
+    message = str(e.value)
+    assert message.startswith(f"data.tokenizer {str(folder)!r} holds no tokenizer"), message
+    assert "model.pretrained" in message and len(message.splitlines()) == 1, message
+
+
 def test_tokenising_says_how_far_it_is(tmp_path, tokenizer, caplog):
     # A large corpus is tokenised for hours, while the island's other ranks wait on it.
     paragraphs = data.load_text_dataset(str(SONNETS))["text"]

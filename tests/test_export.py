@@ -433,6 +433,10 @@ def test_tensors_that_do_not_fit_the_config(served, tmp_path):
     with pytest.raises(ValueError, match="more than the model's vocab_size 512"):
         export_model(config, tensors, tmp_path / "out", tokenizer=tmp_path / "tok")
     assert not (tmp_path / "out").exists()
+    (tmp_path / "no-tok").mkdir()  # a folder with no tokenizer: one line naming it
+    with pytest.raises(ValueError, match=r"^tokenizer '.*no-tok' holds no tokenizer [^\n]*$"):
+        export_model(config, tensors, tmp_path / "out", tokenizer=tmp_path / "no-tok")
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------- CLI
