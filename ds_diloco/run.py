@@ -51,7 +51,7 @@ from ds_diloco.learner import LearnerError
 from ds_diloco.live_model import PeriodicEval, PeriodicExport
 from ds_diloco.rank_watch import RankWatch, local_rank
 from ds_diloco.slot_policy import SlotState, after_death, launch_slots
-from ds_diloco.state_store import atomic_write
+from ds_diloco.state_store import atomic_write, spare_path
 from ds_diloco.syncer import Diverged, Superseded
 
 ISLANDS_FAILED = 1
@@ -268,6 +268,7 @@ class LocalRun:
                 if not any(x == path or path in x.parents for x in inputs):
                     shutil.rmtree(path, ignore_errors=True)
             (self.workdir / "summary.json").unlink(missing_ok=True)
+        self._state_was_there = Path(cfg.coordinator.state_dir).exists()  # (discard_state)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # A token of the run's own making is written as state_dir/token (0600, as a
         # standalone coordinator writes its own) once the coordinator starts, for
@@ -715,6 +716,22 @@ class LocalRun:
                 _signal_group(self.coordinator, signal.SIGTERM)
                 _wait(self.coordinator, 60)
             self.rank_watch.close()
+
+    def discard_state(self) -> None:
+        """After ``stop``: the coordinator state of a fresh run stopped before its islands
+        started (its set-up refused an input). A ``coordinator.state_dir`` outside the
+        workdir keeps it, and the next fresh run took it for an earlier run's and refused
+        to start (``_refuse_foreign_state``). The folder goes if this run made it, else
+        what the coordinator writes there."""
+        state = Path(self.cfg.coordinator.state_dir)
+        if not self._state_was_there:
+            shutil.rmtree(state, ignore_errors=True)
+            return
+        for name in ("coordinator.json", "versions.json"):
+            (state / name).unlink(missing_ok=True)
+            spare_path(state / name).unlink(missing_ok=True)
+        for name in ("fragments", "model"):
+            shutil.rmtree(state / name, ignore_errors=True)
 
     # ------------------------------------------------------------- progress
     def island_records(self) -> dict[str, dict]:
@@ -1260,6 +1277,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     d = cfg.data
     t0 = time.monotonic()
     code, final_status, stopped_by, global_evals = 0, None, None, []
+    set_up = False  # until then, nothing trained: a fresh run's state is not kept
     with stop_on_signals():
         try:
             lr.spawn_coordinator()  # it starts up while the data is prepared
@@ -1269,6 +1287,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             check_shards(len(train), {s.name: s.world_size for s in cfg.islands})
             check_islands_inputs(cfg, tokenizer)
             heldout = as_tensor(heldout[:HELDOUT_BLOCKS])
+            set_up = True
             code, final_status, global_evals = _drive(cfg, lr, point, heldout)
         except Stopped as e:
             print(f"\ninterrupted ({e}): stopping islands and coordinator ...", flush=True)
@@ -1279,6 +1298,8 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
             except Stopped as e:  # came while a finished run stopped; the stop is done
                 print(f"\ninterrupted ({e}) while stopping", flush=True)
                 code, stopped_by = e.exit_code, str(e)
+            if not set_up and not resume:
+                lr.discard_state()
     wall = time.monotonic() - t0
     summary = {"wall_s": round(wall, 1), "islands": {}, "exit": code, "events": lr.events,
                "restarts": lr.restarts, "coordinator_restarts": lr.coordinator_restarts,

@@ -914,6 +914,35 @@ def test_a_fresh_run_refuses_a_state_dir_of_its_own_that_holds_a_run(tmp_path, t
     assert not (Path(own.workdir) / "state").exists()
 
 
+def test_a_fresh_run_refused_in_its_set_up_leaves_no_state_for_the_next_to_trip_over(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    # An input refused after the coordinator started (a freeze typo, a tokenizer that
+    # does not load, too few blocks): a state_dir outside the workdir kept its state, and
+    # the next fresh run refused it as an earlier run's ('add --resume').
+    elsewhere = tmp_path / "kept-state"
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], steps=1,
+                                         state_dir=str(elsewhere)))  # fmt: skip
+
+    def refuse(cfg, tokenizer=None):  # once the coordinator has written its state
+        _wait_for(lambda: (elsewhere / "coordinator.json").exists(), 120, "its state")
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(run_mod, "check_islands_inputs", refuse)
+    with pytest.raises(ValueError, match="refused for the test"):
+        run_mod.run(cfg)
+    assert not elsewhere.exists()  # it made the folder
+    LocalRun(cfg)  # a fresh start is not refused
+    # A folder that was there stays, with what the coordinator did not write.
+    elsewhere.mkdir(exist_ok=True)
+    (elsewhere / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="refused for the test"):
+        run_mod.run(cfg)
+    assert {p.name for p in elsewhere.iterdir()} <= {"notes.txt", "token"}
+    assert (elsewhere / "notes.txt").read_text() == "mine"
+    LocalRun(cfg)
+
+
 def test_a_run_that_pushes_to_the_hub_checks_its_token_before_anything_starts(
     tmp_path, tiny_config_path, monkeypatch
 ):
