@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         _check_outputs(args)
+        _check_ca_file(args)
         return args.fn(args)
     except ValueError as e:  # config and input errors: one clear line, no traceback
         print(f"ds-diloco: error: {e}", file=sys.stderr)
@@ -420,6 +421,17 @@ def _check_outputs(args) -> None:
             nearest = os.path.dirname(nearest)
         if not os.path.isdir(nearest):  # a FileExistsError or NotADirectoryError traceback
             raise ValueError(f"--{name} {path}: {nearest} is a file, not a folder")
+
+
+def _check_ca_file(args) -> None:
+    """``--ca-file`` goes with an https:// coordinator: with an http:// one or a state
+    directory it was ignored (an island file's coordinator_ca is refused alike)."""
+    where = getattr(args, "source", None) or getattr(args, "url", None)
+    if getattr(args, "ca_file", None) and not str(where).startswith("https://"):
+        raise ValueError(
+            f"--ca-file is set but {where!r} is not an https:// coordinator URL: the "
+            "certificate would never be checked"
+        )
 
 
 def program() -> int:

@@ -269,6 +269,20 @@ def test_an_island_that_does_not_trust_the_coordinator_is_given_up_with_one_line
     assert "a" not in srv.coord.status()["islands"]
 
 
+def test_ca_file_with_a_coordinator_that_is_not_https_is_refused(tmp_path, capsys):
+    """Ignored before, as an island file's coordinator_ca with an http:// URL is refused."""
+    from ds_diloco.cli import main as cli_main
+
+    pem, data = tmp_path / "ca.pem", tmp_path / "run.yaml"  # never read: refused first
+    for argv in (["status", "http://127.0.0.1:9", "--token", "t"],
+                 ["export", "--from", str(tmp_path), "--out", str(tmp_path / "out")],
+                 ["eval", "--from", "http://127.0.0.1:9", "--data", str(data), "--token", "t"]):  # fmt: skip
+        assert cli_main([*argv, "--ca-file", str(pem)]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("ds-diloco: error: --ca-file is set but ") and "https://" in err, err
+        assert len(err.splitlines()) == 1, err
+
+
 def test_status_and_export_take_the_coordinators_certificate_with_ca_file(
     certs, tiny_config_path, tmp_path, monkeypatch, capsys
 ):
