@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from ds_diloco.chaos.schedule import COORDINATOR, KINDS, Event, Injector, Schedule
+
+REPO = Path(__file__).resolve().parents[1]
 
 ISLANDS = ["a", "b", "c"]
 RANKS = {"a": 2, "b": 2, "c": 4}
@@ -145,6 +148,28 @@ ALL_KINDS = [
     Event(at_s=60.0, kind="net_drop", target="a", duration_s=5.0),
     Event(at_s=70.0, kind="kill_coordinator", target="coordinator", duration_s=3.0),
 ]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--duration", "-5"], "--duration must be a finite number > 0, got -5.0"),
+        (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+)
+def test_chaos_names_its_bad_flags(tmp_path, capsys, flags, message):
+    """Not the schedule's own 'from_seed: duration_s must be ...'."""
+    from ds_diloco.cli import main as cli_main
+
+    run = {"model": {"config": str(REPO / "model_configs" / "tiny-llama.json")},
+           "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+           "data": {"path": str(REPO / "tests" / "data")}, "islands": [{"name": "a"}],
+           "workdir": str(tmp_path / "run")}  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert cli_main(["chaos", str(tmp_path / "run.json"), *flags]) == 2
+    assert capsys.readouterr().err == f"ds-diloco: error: {message}\n"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run-chaos").exists()
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])

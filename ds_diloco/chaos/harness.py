@@ -504,6 +504,12 @@ def main(args) -> int:
     if args.schedule:
         schedule = Schedule.from_file(args.schedule)
     else:
+        # The flags by name ("from_seed: duration_s must be ..." named neither).
+        if args.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {args.seed}")
+        for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a finite number > 0, got {value}")
         schedule = Schedule.from_seed(
             args.seed, [s.name for s in cfg.islands],
             {s.name: s.world_size for s in cfg.islands}, args.duration,
