@@ -999,7 +999,8 @@ def _check_files(cfg: IslandConfig | RunConfig) -> None:
         )
     ds = Path(cfg.deepspeed_config)
     if not ds.is_file():
-        raise ValueError(f"deepspeed_config {str(ds)!r} does not exist")
+        what = "is a folder, not a JSON file" if ds.is_dir() else "does not exist"
+        raise ValueError(f"deepspeed_config {str(ds)!r} {what}")
     try:
         stage = json.loads(ds.read_text())["zero_optimization"]["stage"]
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -646,6 +646,12 @@ def test_deepspeed_config_is_checked_at_load(tmp_path, monkeypatch, text, messag
         load_island_config(write_yaml(tmp_path / "conf" / "island.yaml", island))
 
 
+def test_a_deepspeed_config_that_is_a_folder_is_said_to_be_one(tmp_path):
+    (tmp_path / "ds").mkdir()  # it said 'does not exist'
+    with pytest.raises(ValueError, match=r"deepspeed_config '\S+/ds' is a folder, not a JSON"):
+        load_run_config(write_run(tmp_path, {"deepspeed_config": "ds"}))
+
+
 def test_island_file_paths_are_checked_at_load(tmp_path):
     island = {"island": "a", "coordinator_url": "http://h:1", "model": {"config": str(TINY)},
               "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"}}  # fmt: skip
