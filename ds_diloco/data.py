@@ -393,7 +393,14 @@ def load_text_dataset(
     if len(sources) == 1 and not os.path.exists(sources[0]):
         if os.path.isabs(sources[0]):  # a path (the config makes relative ones absolute)
             raise ValueError(f"data.path {str(sources[0])!r} does not exist")
-        ds = datasets.load_dataset(str(sources[0]), subset, split=split)
+        try:
+            ds = datasets.load_dataset(str(sources[0]), subset, split=split)
+        except (ConnectionError, FileNotFoundError) as e:  # offline, unreachable, not found
+            raise ValueError(
+                f"data.path {str(sources[0])!r} is not a file or folder here (from "
+                f"{os.getcwd()!r}), nor a Hugging Face dataset that loads: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else repr(e)}"
+            ) from None
         return _text_column(ds, text_field, split)
     if missing := [str(s) for s in sources if not os.path.exists(s)]:
         raise ValueError(f"load_text_dataset: no such files {missing}")

@@ -522,6 +522,17 @@ def test_a_tokenizer_folder_holding_none_is_named_in_one_line(tmp_path):
     assert "model.pretrained" in message and len(message.splitlines()) == 1, message
 
 
+def test_a_hub_dataset_that_does_not_load_is_named_in_one_line(tmp_path, monkeypatch):
+    """Offline (the tests are), unreachable or not found: a ConnectionError or
+    DatasetNotFoundError traceback from ``ds-diloco prepare-data`` or a run's set-up."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        data.load_text_dataset("no-such-owner/no-such-dataset")
+    message = str(e.value)
+    assert message.startswith("data.path 'no-such-owner/no-such-dataset' is not a file or")
+    assert "nor a Hugging Face dataset that loads: " in message and "\n" not in message
+
+
 def test_tokenising_says_how_far_it_is(tmp_path, tokenizer, caplog):
     # A large corpus is tokenised for hours, while the island's other ranks wait on it.
     paragraphs = data.load_text_dataset(str(SONNETS))["text"]
