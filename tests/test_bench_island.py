@@ -251,3 +251,14 @@ def test_cli_refuses_bad_counts_in_one_line(capsys):
         run_bench(default_run_config(), repeats=1, memory_repeats=-1)
     with pytest.raises(ValueError, match=r"--coordinator-nice must be in 0\.\.19"):
         run_bench(default_run_config(), repeats=1, coordinator_nice=20)
+
+
+def test_paired_launches_too_short_for_both_sides_are_refused_before_any_launch(capsys):
+    # 10 steps, 5 of warm-up, blocks of 5 whose first 3 settle: the launch starting with
+    # the syncer off times no step with it on. It ran every launch, then failed in the
+    # report ("no median for empty data").
+    assert cli.main(["bench", "island", "--steps", "10", "--paired", "1",
+                     "--paired-blocks", "5", "--memory-repeats", "0"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--steps 10 leaves a paired launch no timed step with the syncer" in err, err
+    assert "raise --steps or lower --paired-blocks" in err

@@ -378,9 +378,32 @@ def launch(
         coordinator_cpu_s=cpu_s,
         exact_memory=exact_memory,
         blocks=blocks if mode == PAIRED else 0,
-        settle=min(blocks - 1, cfg.coordinator.policy.tau + 1) if mode == PAIRED else 0,
+        settle=_settle(blocks, cfg) if mode == PAIRED else 0,
         off_first=off_first and mode == PAIRED,
     )
+
+
+def _settle(blocks: int, cfg: RunConfig) -> int:
+    """A paired launch's steps dropped at the start of each block: the syncer's work of
+    the block before still lands in them (an apply comes tau steps after its send)."""
+    return min(blocks - 1, cfg.coordinator.policy.tau + 1)
+
+
+def _check_paired_steps(cfg: RunConfig, warmup: int, blocks: int) -> None:
+    """Each paired launch (either block first) must time steps on both sides: else the
+    report failed after every launch had run ("no median for empty data")."""
+    steps, settle = cfg.train.steps, _settle(blocks, cfg)
+    for off_first in (False, True):
+        for on in (True, False):
+            if not any(i >= warmup and i % blocks >= settle
+                       and learner_steps_at(i + 1, blocks, off_first) == on
+                       for i in range(steps)):  # fmt: skip
+                raise ValueError(
+                    f"--steps {steps} leaves a paired launch no timed step with the syncer "
+                    f"{'on' if on else 'off'} (the first {warmup} steps are warm-up, the first "
+                    f"{settle} of each {blocks}-step block settle): raise --steps or lower "
+                    "--paired-blocks"
+                )
 
 
 # ------------------------------------------------------------------- results
@@ -702,6 +725,8 @@ def run_bench(
     if not 0 <= coordinator_nice <= 19:
         raise ValueError(f"--coordinator-nice must be in 0..19, got {coordinator_nice}")
     cfg = one_island(cfg)
+    if paired:
+        _check_paired_steps(cfg, warmup, paired_blocks)
     _prepare_data(cfg)  # tokenizer and blocks cached once, outside every timed launch
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="ds-diloco-bench-island-")) if own else Path(workdir)
