@@ -1272,6 +1272,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         check_out_folder(Path(cfg.workdir) / "export")
     check_source(cfg.data.path)  # before a fresh run clears the last one's outputs
     point = resume_point(cfg) if resume else None
+    earlier = _earlier_summary(Path(cfg.workdir)) if resume else {}
     began = time.time()  # this run's progress records are the ones written from now on
     lr = LocalRun(cfg, fresh=not resume)
     d = cfg.data
@@ -1306,6 +1307,14 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
                "startup": lr.startup, **card_settings(cfg)}  # fmt: skip
     if point is not None:  # the plan, and where each island's first launch really started
         summary["resumed_from"] = resumed_starts(lr.workdir, point, began)
+    if earlier:  # the launches before this resume: their figures are the run's too
+        summary["wall_s_total"] = round(
+            earlier.get("wall_s_total", earlier.get("wall_s", 0)) + wall, 1
+        )
+        first = global_evals[0]["merges"] if global_evals else float("inf")
+        global_evals = [
+            e for e in earlier.get("global_evals", []) if e["merges"] < first
+        ] + global_evals
     if global_evals:
         summary["global_evals"] = global_evals
     if stopped_by:
@@ -1339,6 +1348,14 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     if g is not None:
         _publish(cfg, g, export_dir, summary)
     return code
+
+
+def _earlier_summary(workdir: Path) -> dict:
+    """What the run's last launch wrote in ``summary.json`` ({} if none or torn): a resume
+    rewrites the file, and its held-out losses by merges and time were lost with it."""
+    path = workdir / "summary.json"
+    earlier = _json_or_none(path.read_text()) if path.is_file() else None
+    return earlier if isinstance(earlier, dict) else {}
 
 
 def _publish(cfg: RunConfig, g, export_dir: Path, summary: dict) -> None:
@@ -1380,7 +1397,8 @@ def card_settings(cfg: RunConfig) -> dict:
 def _print_summary(s: dict) -> None:
     toks = sum(i.get("tokens", 0) for i in s["islands"].values())
     how = f"stopped by {s['stopped_by']} after" if "stopped_by" in s else "finished in"
-    print(f"\nrun {how} {s['wall_s']} s: {toks} tokens over {len(s['islands'])} islands; "
+    total = f" ({s['wall_s_total']} s with the launches it resumed)" if "wall_s_total" in s else ""
+    print(f"\nrun {how} {s['wall_s']} s{total}: {toks} tokens over {len(s['islands'])} islands; "
           f"merges per fragment {s['merges']}")  # fmt: skip
     for name, i in s["islands"].items():
         print(f"  {name}: {i['steps']} steps, {i['tokens']} tokens, sync time {i['sync_s']} s "

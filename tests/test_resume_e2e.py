@@ -177,9 +177,12 @@ def test_an_island_resumed_with_more_ranks_goes_on_from_its_checkpoint(
     workdir = tmp_path / "run"
     run = json.loads(run_file.read_text())
     run["islands"] = [{"name": "a", "world_size": 1}]
+    run["eval_every_merges"] = 4
     run_file.write_text(json.dumps(run))
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
+    first_summary = json.loads((workdir / "summary.json").read_text())
+    assert first_summary["global_evals"], first_summary
     checkpoints = workdir / "islands" / "a" / "checkpoints"
     assert (checkpoints / "latest").read_text() == "step6"
 
@@ -223,9 +226,12 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     workdir = tmp_path / "run"
     run = json.loads(run_file.read_text())
     run["islands"] = [{"name": "a", "world_size": 1}]
+    run["eval_every_merges"] = 4
     run_file.write_text(json.dumps(run))
     first = ds_diloco_run(run_file)
     assert first.returncode == 0, logs(workdir, first.stdout + first.stderr)
+    first_summary = json.loads((workdir / "summary.json").read_text())
+    assert first_summary["global_evals"], first_summary
 
     # A rank lost in the final flush, after its last checkpoint: the island is started again
     # at its last step, trains none and leaves. It failed on the empty list of its step
@@ -233,8 +239,15 @@ def test_finished_run_resumed_for_more_steps_goes_on_from_its_last_step(
     (workdir / "islands" / "a" / "summary-rank0.json").unlink()
     again = ds_diloco_run(run_file, "--resume")
     assert again.returncode == 0, logs(workdir, again.stdout + again.stderr)
-    island = json.loads((workdir / "summary.json").read_text())["islands"]["a"]
+    summary = json.loads((workdir / "summary.json").read_text())
+    island = summary["islands"]["a"]
     assert (island["start_step"], island["steps"], island["step_s_median"]) == (6, 6, None)
+    # The summary rewritten by the resume keeps the run's held-out losses by merges (no
+    # merge made since) and counts the first launch's time: both were lost with the file.
+    assert summary["global_evals"] == first_summary["global_evals"], summary
+    assert summary["wall_s_total"] == pytest.approx(
+        first_summary["wall_s"] + summary["wall_s"], abs=0.11
+    )
 
     # ... with 2 micro-batches per step from now on: the data goes on after the 6 batches
     # read, not after 6 x 2 (the checkpoint says how many were read).
