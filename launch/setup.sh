@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Idempotent set-up of .venv: CPU torch first (a bare `torch` would pull a multi-GB
-# CUDA build), then ds_diloco with its test extra. Re-installs only when the
-# package metadata changed. PYTHON picks the interpreter (default python3).
+# Idempotent set-up of .venv: torch first, then ds_diloco with its test extra.
+# Re-installs only when the package metadata changed. PYTHON picks the interpreter
+# (default python3). torch==2.13.0 is the CPU build where pip finds a local CPU wheel
+# (PIP_FIND_LINKS, as on this project's machines); PyPI alone gives the multi-GB CUDA
+# build: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu asks that index too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,7 +17,8 @@ stamp=.venv/.ds-diloco-setup
 want=$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip show torch >/dev/null 2>&1 || .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip show torch >/dev/null 2>&1 || .venv/bin/python -m pip install -q \
+    ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
   .venv/bin/python -m pip install -q -e '.[test]'
   echo "$want" > "$stamp"
 fi
