@@ -210,7 +210,8 @@ def prometheus_text(status: dict[str, Any], process: dict[str, float] | None = N
            "work; as many as were in use at once lately.", [({}, buffers.get("bytes"))])  # fmt: skip
     metric("fragment_buffers_in_use", "gauge", "Fragment-sized buffers in use now.",
            [({}, buffers.get("in_use"))])  # fmt: skip
-    metric("live_islands", "gauge", "Islands holding a live lease.",
+    metric("live_islands", "gauge",
+           "Islands holding a live lease and still training (not those whose final flush came).",
            [({}, sum(1 for v in isl.values() if v["live"]))])  # fmt: skip
     for name, value in (process or {}).items():
         kind, help_ = PROCESS_METRICS[name]
