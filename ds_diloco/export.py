@@ -414,13 +414,27 @@ def _build_with(config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | N
                 f"tensor {name!r} has shape {list(t.shape)}, the config gives {list(shape)}"
             )
     if dtype is not None:
-        tensors = {n: t.to(dtype) for n, t in tensors.items()}
+        tensors = {n: _cast(n, t, dtype) for n, t in tensors.items()}
     model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()  # assign replaced the input embedding; re-point the tied head to it
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"parameters left without values after loading: {left[:5]}")
     return model
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; refused where a finite value is beyond its range (float16 tops out
+    at 65504): the export would hold inf there, and the model's outputs NaN."""
+    c = t.to(dtype)
+    if c.dtype != t.dtype and c.is_floating_point() and torch.isinf(c).sum() > torch.isinf(t).sum():
+        big = t[torch.isfinite(t)].abs().max().item()
+        raise ValueError(
+            f"tensor {name!r} holds values up to {big:.4g}, beyond the range of {dtype} "
+            f"(max {torch.finfo(dtype).max:.4g}): they would be saved as inf; export in "
+            "bfloat16 or float32"
+        )
+    return c
 
 
 def export_model(

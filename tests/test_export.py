@@ -234,6 +234,17 @@ def test_bf16_export(served, tmp_path, dtype):
     assert torch.equal(loaded.get_parameter(name), tensors[name].to(torch.bfloat16))
 
 
+def test_fp16_export_refuses_values_beyond_its_range(served, tmp_path):
+    # float16 tops out at 65504: a larger weight was saved as inf, without a word.
+    config, tensors = load_global_tensors(served.state_dir)
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e6
+    with pytest.raises(ValueError, match=r"up_proj\.weight' holds values up to 1e\+06"):
+        export_model(config, tensors, tmp_path / "hf", dtype="float16")
+    assert not (tmp_path / "hf").exists()
+    out = export_model(config, tensors, tmp_path / "hf", dtype="bfloat16")  # in its range
+    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(out).lm_head.weight).all()
+
+
 def test_tokenizer_is_saved_with_the_model(served, tmp_path):
     tok = train_tokenizer([SONNETS], 384, tmp_path / "tok")
     config, tensors = load_global_tensors(served.state_dir)
