@@ -81,6 +81,7 @@ def push_folder(
 _TOKENIZER_FILES = {
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+    "chat_template.jinja", "chat_template.json",  # AutoTokenizer applies one left there
 }  # fmt: skip
 _WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|gguf|msgpack|h5)$|\.index\.json$")
 

@@ -300,6 +300,21 @@ def test_a_push_deletes_the_weights_and_tokenizer_files_it_replaces(hub, tmp_pat
     }
 
 
+def test_a_push_deletes_an_earlier_tokenizers_chat_template(hub, tmp_path):
+    # An instruct model's export (SmolLM2: chat_template.jinja) pushed, then one whose
+    # tokenizer has no chat template: the old template stayed, and AutoTokenizer applied it.
+    first, second = tmp_path / "one", tmp_path / "two"
+    for folder, files in ((first, ["chat_template.jinja", "chat_template.json"]), (second, [])):
+        folder.mkdir()
+        for name in [*files, "config.json", "tokenizer.json", "tokenizer_config.json"]:
+            (folder / name).write_text(f"{folder.name} {name}")
+    push_folder(first, "someone/x")
+    push_folder(second, "someone/x")
+    assert not hub.unexpected, hub.unexpected
+    assert sorted(hub.commits[1]["deleted"]) == ["chat_template.jinja", "chat_template.json"]
+    assert hub.trees[("someone/x", "main")] == folder_files(second)
+
+
 def test_push_needs_a_token_before_exporting(hub, state_dir, tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
