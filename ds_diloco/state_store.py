@@ -73,6 +73,25 @@ def _replace(path: Path, buffers: Sequence) -> None:
         raise
 
 
+READ_ATTEMPTS = 10
+
+
+def read_whole(path: Path, attempts: int = READ_ATTEMPTS) -> bytes:
+    """``path``'s bytes as one write left them. A file kept with a spare is overwritten in
+    place once two rewrites have swapped it out and back in: a read that takes longer than
+    two writes (an export of a large fragment while the coordinator merges) got the start
+    of one version and the end of the next, which decodes without an error. A read during
+    which the file changed (its ctime, set by a write or a swap) is done again."""
+    for _ in range(attempts):
+        with open(path, "rb") as f:
+            before = os.fstat(f.fileno())
+            data = f.read()
+            after = os.fstat(f.fileno())
+        if (before.st_ctime_ns, before.st_size) == (after.st_ctime_ns, after.st_size):
+            return data
+    raise ValueError(f"state file {path} changed during each of {attempts} reads")
+
+
 def spare_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.spare")
 
@@ -171,8 +190,9 @@ class StateStore:
         path = self.root / name
         if not path.is_file():
             return None
+        data = read_whole(path)
         try:
-            return json.loads(path.read_text())
+            return json.loads(data.decode())
         except (ValueError, UnicodeDecodeError) as e:  # damaged outside us: name the file
             raise ValueError(f"state file {path} is not valid JSON: {e}") from None
 
@@ -211,7 +231,7 @@ class StateStore:
         if not path.is_file():
             raise FileNotFoundError(f"state directory {self.root} lacks {path.name}")
         try:
-            meta, tensors = wire.decode(path.read_bytes())
+            meta, tensors = wire.decode(read_whole(path))
         except wire.WireError as e:
             raise ValueError(f"state file {path} is damaged: {e}") from None
         if int(meta["fragment"]) != index:

@@ -126,6 +126,47 @@ def test_writers_of_the_same_file_never_mix(tmp_path):
     assert path.read_bytes() in contents
 
 
+@exchange
+def test_a_read_that_two_rewrites_overtake_is_done_again(tmp_path, monkeypatch):
+    # An export reads a fragment file while the coordinator merges: two rewrites swap the
+    # file out and back, and the second overwrites it in place. A read slower than both
+    # got the head of one version and the tail of the next, and decoded it without a word.
+    import builtins
+    import io
+    import time
+
+    store = StateStore(tmp_path)
+    for version in (1, 2):  # the file and its spare
+        store.write_fragment(0, version, *_fragment(version))
+    path = tmp_path / "fragments" / "frag-00000.safetensors"
+    real_open, overtaken = builtins.open, []
+
+    class Slow(io.FileIO):
+        def read(self, size=-1):
+            if overtaken or size != -1:
+                return super().read(size)
+            head = super().read(os.fstat(self.fileno()).st_size // 2)
+            for version in (3, 4):  # the coordinator writes on meanwhile
+                time.sleep(0.02)  # past the clock tick that file times are stamped with
+                store.write_fragment(0, version, *_fragment(version))
+            overtaken.append(True)
+            return head + super().read()
+
+    def slow_open(file, mode="r", *args, **kwargs):
+        if str(file) == str(path) and mode == "rb":
+            return Slow(file, "rb")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", slow_open)
+    monkeypatch.setattr(io, "open", slow_open)  # Path.read_bytes opens through io.open
+    version, values, optim = store.read_fragment(0)
+    monkeypatch.undo()
+    assert overtaken
+    want_values, want_optim = _fragment(version)
+    assert torch.equal(values, want_values), version
+    assert torch.equal(optim["momentum_buffer"], want_optim["momentum_buffer"]), version
+
+
 def test_a_state_file_damaged_outside_the_coordinator_is_named_in_the_error(tmp_path):
     # A coordinator restarted on such a directory said only "Expecting property name
     # enclosed in double quotes: line 1 column 2" (which file?).
