@@ -91,6 +91,9 @@ def main(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device)  # before the corpus is read, not a traceback once the model is
     heldout = heldout_blocks(load_data_config(args.data), args.blocks)
+    if len(heldout) < args.blocks:  # else a figure on fewer blocks than asked, unsaid
+        print(f"the held-out split has {len(heldout)} blocks: evaluating those, not "
+              f"--blocks {args.blocks}", flush=True)  # fmt: skip
     board = None
     if args.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
@@ -99,7 +102,7 @@ def main(args) -> int:
 
     def evaluate() -> dict:
         record = {**evaluate_global(args.source, heldout, token, args.ca_file, device),
-                  "time": round(time.time(), 3)}  # fmt: skip
+                  "blocks": len(heldout), "time": round(time.time(), 3)}  # fmt: skip
         print(describe(record), flush=True)
         if args.json:
             with open(args.json, "a") as f:  # one line per evaluation: a watch appends

@@ -66,8 +66,17 @@ def test_eval_of_a_state_dir_is_the_loss_of_its_model_on_the_islands_heldout_blo
     assert blocks.shape == (8, 33)
     want = _loss(tiny_config_path, coord.global_tensors(), blocks)
     assert abs(record["heldout_loss"] - want) < 1e-5, (record, want)
-    assert record["merges"] == 0 and record["versions"] == [0, 0]
+    assert record["merges"] == 0 and record["versions"] == [0, 0] and record["blocks"] == 8
     assert f"global model at 0 merges (versions 0..0): held-out loss {want:.4f}" in (
+        capsys.readouterr().out
+    )
+    # More blocks than the held-out split has: the figure is on those, and says so.
+    have = len(heldout_blocks(load_data_config(data_file), 10_000))
+    code = cli_main(["eval", "--from", str(tmp_path / "state"), "--data", str(data_file),
+                     "--blocks", "10000", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    assert json.loads(out.read_text().splitlines()[-1])["blocks"] == have < 10_000
+    assert f"the held-out split has {have} blocks: evaluating those, not --blocks 10000" in (
         capsys.readouterr().out
     )
 
