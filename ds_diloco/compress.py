@@ -401,6 +401,23 @@ class ErrorFeedback:
         """The kept residual of ``key`` (a live buffer: do not modify), or None."""
         return self._residuals.get(key)
 
+    def snapshot(self, keys) -> dict:
+        """Copies of ``keys``' residuals (None: no residual yet), for :meth:`restore`.
+
+        Taken before compressing an upload: if it is not delivered, the residuals it
+        took go back. Forgetting them instead lost one rounding error per value at
+        every undelivered upload, and those losses added up (a random walk).
+        """
+        return {k: None if (r := self._residuals.get(k)) is None else r.clone() for k in keys}
+
+    def restore(self, saved: Mapping) -> None:
+        """Put back the residuals of a :meth:`snapshot` (None: forget the key's)."""
+        for k, r in saved.items():
+            if r is None:
+                self._residuals.pop(k, None)
+            else:
+                self._residuals[k] = r
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the residual of ``key`` (of every key if None), freeing its buffer."""
         if key is None:

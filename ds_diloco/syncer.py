@@ -982,12 +982,14 @@ class FragmentSyncer:
             if isinstance(delta, Staged):
                 delta = self._unstage(index, delta)
             keys = [(header.fragment, n) for n in delta]  # its error-feedback residuals
+            # The residuals before this upload: put back if it is not taken.
+            saved = self.feedback.snapshot(keys) if self.feedback is not None else {}
             body = self._encode(header, delta, keys)
             del delta
             slot = self.slots[index]
             if self.feedback is not None:  # the compressed body is a buffer of its own
                 self._sent(slot)
-            accepted = body is not None and self._upload(header, body, keys)
+            accepted = body is not None and self._upload(header, body, saved)
             self._sent(slot)  # the client dropped the body's parts once its bytes were sent
             if not accepted:
                 with self._lock:  # no result of this upload will come: the base is fetched
@@ -1131,10 +1133,10 @@ class FragmentSyncer:
             return None
         return wire.upload_parts(header, *compress.to_wire(enc))
 
-    def _upload(self, header: wire.UploadHeader, body: wire.Body, keys: list) -> bool:
+    def _upload(self, header: wire.UploadHeader, body: wire.Body, saved: dict) -> bool:
         """Send one upload (its body is released once sent); True if it was accepted.
 
-        ``keys``: the (fragment, slice) error-feedback residuals in it.
+        ``saved``: the error-feedback residuals of its slices from before it was compressed.
         """
         self._count_network_call()
         ef = self.feedback
@@ -1175,11 +1177,13 @@ class FragmentSyncer:
             self._flush_lost += self._flushing
             log.warning("%s/%d upload failed: %s", self.island, self.rank, e)
         if ef is not None and not accepted:
-            # The residuals took this upload's rounding as delivered; it was not taken, and
-            # the fragment's next pseudo-gradient carries its progress again: forget them
-            # (at most one rounding error per value is lost, none is counted twice).
-            for k in keys:
-                ef.reset(k)
+            # The residuals took this upload's rounding as delivered; it was not taken: the
+            # ones from before it go back. Still owed to the global model, they go out with
+            # the fragment's next upload (which carries this one's progress again, or, when
+            # a newer version overwrites it, has lost it as an uncompressed upload would).
+            # Forgotten, one rounding error per value was lost at each upload not taken,
+            # and the losses added up.
+            ef.restore(saved)
         return accepted
 
     # ------------------------------------------------------------ end of training

@@ -246,3 +246,37 @@ def test_a_frozen_parameter_is_left_out_of_a_compressed_upload(tiny_config_path,
         assert all(not torch.equal(got[n], glob[n]) for n in plan.fragments[0].names[1:])
         assert s.feedback.residual((0, frozen)) is None  # never compressed
         s.close()
+
+
+def test_an_upload_that_fails_puts_back_the_residuals_it_took(tiny_config_path, tmp_path):
+    """Its progress goes out again with the next upload; the residuals from before it are
+    still owed. Forgotten, each failed upload lost one rounding error per value for good."""
+    with ServerThread(config(tiny_config_path, tmp_path)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
+        info = client.register("isl", 1, srv.coord.plan.signature)
+        plan = FragmentPlan.from_json(info["plan"])
+        s = FragmentSyncer(client, "isl", plan, Schedule(**info["schedule"]),
+                           ModelShardAccess(model), codec=Codec(**info["compression"]))  # fmt: skip
+        s.bootstrap()
+        frag0 = plan.fragments[0]
+        perturb(model, seed=1)
+        s.on_step(1, tokens=64)  # fragment 0 goes out and is merged
+        wait_for(lambda: srv.coord.versions()[0] == 1)
+        before = {n: s.feedback.residual((0, n)).clone() for n in frag0.names}
+        assert any(r.abs().max() > 0 for r in before.values())
+        wait_for(lambda: s.slots[0].arrived)
+        assert s.on_step(2, tokens=64) == [0]  # fragment 0 applied, fragment 1 sent
+        wait_for(lambda: srv.coord.versions()[1] == 1 and s.slots[1].arrived)
+
+        def unreachable(*a, **kw):
+            raise ConnectionError("coordinator unreachable")
+
+        client.upload_body = unreachable
+        perturb(model, seed=2)
+        s.on_step(3, tokens=64)  # fragment 0's next upload fails
+        s._uploads.join()
+        assert s.stats.failed == 1
+        for n in frag0.names:
+            assert torch.equal(s.feedback.residual((0, n)), before[n]), n
+        s.close()
