@@ -9,13 +9,17 @@ contributed, after an adaptive grace window that picks up more islands only
 while no island would have to wait for the result; merge at once when every
 live island is in. The final contributions of islands that finished training
 are merged with whichever round closes next, and never close one.
+
+The islands' side of the rounds is here too: ``phase_shift``, how far an island whose
+uploads come late moves its send schedule (phase alignment), pure like ``decide`` so
+that the islands and the goodput simulator follow the same rule.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Ema:
@@ -295,3 +299,74 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
         False, deadline,
         ("{}; waiting {:.3f}s more for stragglers: {}", head, deadline - now, grace_why),
     )  # fmt: skip
+
+
+# ------------------------------------------------------------- phase alignment
+# The island's side of the rounds (``CoordinatorConfig.align_phase``): an island whose
+# uploads come after their rounds closed moves its send schedule earlier. Decided here,
+# as a pure function, so that the islands (``syncer.FragmentSyncer``) and the goodput
+# simulator (``simulate.diloco``) shift by the same rule.
+
+
+class PhaseShift(NamedTuple):
+    """An island's decision to move its send schedule earlier (see :func:`phase_shift`).
+    A named tuple: the simulator makes one per shift, millions a run."""
+
+    steps: int
+    """How many steps earlier the island sends from the next step on, 0..H - tau - 1 (0: it
+    measured no lateness worth a step; the wait for the next shift starts all the same)."""
+
+    next_at: int
+    """Late uploads sent before this step are not acted on: they predate the shift."""
+
+    def passed_over(self, step: int, phase: int) -> range:
+        """The send clocks the shift passes over, made after step ``step`` with phase
+        ``phase`` (before the shift): the fragments due at these clocks are not sent this
+        cycle (the next step's clock is ``step + 1 + phase + steps``)."""
+        return range(step + 1 + phase, step + 1 + phase + self.steps)
+
+
+def phase_shift(
+    step: int,
+    late_step: int,
+    late: float,
+    step_time: float,
+    shifted_at: int,
+    *,
+    sync_every: int,
+    overlap: int,
+) -> PhaseShift | None:
+    """Whether, and by how many steps, an island moves its send schedule earlier after
+    inner step ``step``. None: nothing to act on.
+
+    ``late_step``: the step of its latest upload that came after its round's first
+    contribution (a stale upload the coordinator timed, or a send that followed a version
+    merged without the island), ``late`` how long after (0: none yet); ``step_time``: the
+    island's step time, in the unit of ``late`` (the islands use milliseconds, the
+    simulator seconds); ``shifted_at``: the last shift's ``next_at`` (0 before any).
+
+    It sends ceil(late / step_time) steps earlier, capped at H - tau - 1 (``sync_every``
+    minus ``overlap`` minus one) so that a fragment's result is still applied before the
+    fragment is sent again, and it shifts once per H steps: the uploads of the next H
+    steps show whether the shift was enough.
+    """
+    if not acts_on(late_step, shifted_at):
+        return None
+    cap = sync_every - overlap - 1
+    shift = min(math.ceil(late / step_time), cap) if step_time > 0 else 0
+    return PhaseShift(shift, step + sync_every)
+
+
+def acts_on(late_step: int, shifted_at: int) -> bool:
+    """Whether an upload sent after step ``late_step`` that came late may move the phase
+    (:func:`phase_shift`): not if it was sent before ``shifted_at`` (the last shift's
+    ``next_at``: it predates the shift's effect), nor if there is none (step 0)."""
+    return late_step >= max(shifted_at, 1)
+
+
+def followed_late(late: float, step_time: float, sync_every: int) -> float | None:
+    """How late an island's send is, ``late`` after the round of the version merged
+    without it that the fragment follows opened: ``late`` itself, or None when that round
+    opened over H/2 steps of ``step_time`` ago (the previous cycle's: the island is early,
+    or missed a round for another reason, and its phase says nothing)."""
+    return late if late <= sync_every / 2 * step_time else None

@@ -48,6 +48,7 @@ from ds_diloco import compress, wire
 from ds_diloco.client import CoordinatorClient, RefusedError
 from ds_diloco.device_copies import CopyLane, Prefetch, Staged
 from ds_diloco.fragments import Fragment, FragmentPlan, Schedule
+from ds_diloco.round_policy import followed_late, phase_shift
 from ds_diloco.sharding import shard_numel, shard_range
 
 log = logging.getLogger(__name__)
@@ -639,8 +640,7 @@ class FragmentSyncer:
         opened = send.opened_t if send.arrived and not send.in_flight else send.followed_t
         if opened is None:
             return None
-        late = max(now - opened, 0.0)
-        return late if late <= self.schedule.sync_every / 2 * self._step_s else None
+        return followed_late(max(now - opened, 0.0), self._step_s, self.schedule.sync_every)
 
     def _why_not_ready(self, slot: _Slot, step: int, locked: bool) -> str:
         """Why this rank cannot send ``slot``'s fragment now ("": it can); ``_lock`` held."""
@@ -684,21 +684,27 @@ class FragmentSyncer:
         steps are not acted on): a fragment whose last result is still on the way when
         it comes due again is not sent then (:meth:`on_step`).
         """
-        late_step = max(r[0] for r in rows)
-        if not self.align_phase or late_step < max(self._shifted_at, 1):
+        if not self.align_phase:
             return
+        late_step = max(r[0] for r in rows)
         late_ms = max(r[1] for r in rows if r[0] == late_step)
         step_ms = max(r[2] for r in rows)
-        cap = self.schedule.sync_every - self.schedule.overlap - 1
-        shift = min(math.ceil(late_ms / step_ms), cap) if step_ms > 0 else 0
+        # round_policy.phase_shift: the rule the goodput simulator's islands follow too.
+        decided = phase_shift(
+            step, late_step, late_ms, step_ms, self._shifted_at,
+            sync_every=self.schedule.sync_every, overlap=self.schedule.overlap,
+        )  # fmt: skip
+        if decided is None:
+            return
         # One shift per cycle: the uploads of the next H steps show whether it worked.
-        self._shifted_at = step + self.schedule.sync_every
+        self._shifted_at = decided.next_at
+        shift = decided.steps
         if shift < 1:
             return
         # The next step's clock is step + 1 + the new phase: the fragments due at the
         # clocks in between are not sent this cycle.
         with self._lock:
-            for clock in range(step + 1 + self.phase, step + 1 + self.phase + shift):
+            for clock in decided.passed_over(step, self.phase):
                 p = self.schedule.due(clock)
                 if p is not None:
                     self._skipped[p] = None
