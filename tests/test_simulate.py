@@ -165,14 +165,20 @@ def test_rounds_are_closed_by_the_coordinators_policy(monkeypatch):
     assert all(opts == cfg.policy for _, opts in calls)
     assert {s.live_islands for s, _ in calls} <= set(range(cfg.islands + 1))
 
-    # A policy that merges on the first arrival leaves the other islands' uploads stale.
+    # A policy that merges on the first arrival leaves the other islands' uploads stale, or
+    # (phase alignment) their fragments taken from the merged version instead of sent.
     monkeypatch.setattr(
         round_policy, "decide", lambda now, state, opts: round_policy.Decision(True, None, "now")
     )
     eager = simulate(cfg.replace(systems=("diloco",))).rows[0]
     assert eager.stats["islands_per_merge"] < 1.5
     assert eager.goodput < result.rows[0].goodput - 0.3
-    assert eager.chip_time["stale"] > result.rows[0].chip_time["stale"] + 0.3
+
+    def dropped(r: SystemResult) -> float:
+        return r.chip_time["stale"] + r.chip_time["overwritten"]
+
+    assert dropped(eager) > dropped(result.rows[0]) + 0.3
+    assert eager.chip_time["stale"] > result.rows[0].chip_time["stale"] + 0.1
 
 
 def test_grace_window_picks_up_islands_that_arrive_after_the_first():
@@ -210,6 +216,103 @@ def test_send_schedule_matches_the_islands_fragment_schedule():
     for s in range(1, 50):
         mine = (s // stride - 1) % cfg.num_fragments if s % stride == 0 else None
         assert mine == sched.due(s)
+
+
+# ------------------------------------------------------------------ phase alignment
+@pytest.mark.parametrize(
+    ("chips", "islands", "step_cv", "days", "off_below"),
+    [(768, 2, 0.002, 0.5, 0.6),  # 3 slices: islands of 512 and 256 chips
+     (16_384, 3, SimConfig.step_cv, 1.0, 0.95)],  # 64 slices as 21 + 21 + 22
+)  # fmt: skip
+def test_unequal_islands_without_failures_stay_in_phase_with_alignment(
+    chips, islands, step_cv, days, off_below
+):
+    # A larger island waits longer for its slowest chip every step and falls behind. With
+    # the paper's fixed schedule its uploads come stale round after round once it is
+    # later than the grace window; with phase alignment (the coordinator's default) it
+    # sends as many steps earlier as it was late, as the real islands do.
+    cfg = SimConfig(chips=chips, islands=islands, days=days, chip_mtbi_s=math.inf,
+                    step_cv=step_cv, systems=("diloco",))  # fmt: skip
+    assert cfg.align_phase  # the default, as CoordinatorConfig's
+    on = simulate(cfg).rows[0]
+    off = simulate(cfg.replace(align_phase=False)).rows[0]
+    # No failures: all of the chip-time is useful but each step's wait for the slowest chip.
+    assert on.goodput >= 0.99 * (1 - on.chip_time["straggler"]), on.chip_time
+    assert on.chip_time["stale"] < 0.002 and on.stats["phase_shifts"] >= 1
+    if step_cv < SimConfig.step_cv:
+        assert on.goodput >= 0.99
+    assert off.stats["phase_shifts"] == 0
+    assert off.goodput < min(off_below, on.goodput - 0.03) and off.chip_time["stale"] > 0.03
+
+
+def test_phase_shift_is_the_islands_rule():
+    # The cases of tests/test_syncer.py (H = P = 4, tau = 1: the cap is H - tau - 1 = 2), in
+    # milliseconds as the island's ranks agree on them.
+    kw = {"sync_every": 4, "overlap": 1}
+    # "b" sent fragment 0 at step 1, 0.3 s after the round's first upload; steps take 1 s:
+    # at step 2 it sends one step earlier, passing over clock 3 (fragment 2), and acts on
+    # no late upload sent before step 6.
+    shift = round_policy.phase_shift(2, 1, 300, 1000, 0, **kw)
+    assert shift == round_policy.PhaseShift(steps=1, next_at=6)
+    assert list(shift.passed_over(2, 0)) == [3]
+    assert Schedule(sync_every=4, num_fragments=4, overlap=1).due(3) == 2
+    for late_step in (2, 3, 5):  # replies to uploads sent before the next cycle: ignored
+        assert round_policy.phase_shift(late_step + 1, late_step, 900, 1000, 6, **kw) is None
+    assert round_policy.phase_shift(6, 6, 300, 1000, 6, **kw).steps == 1  # a cycle on
+    # Followed late by 0.15 s and 0.45 s with 0.3 s steps: one and two steps (ceil).
+    assert round_policy.phase_shift(2, 2, 150, 300, 0, **kw).steps == 1
+    assert round_policy.phase_shift(2, 2, 450, 300, 0, **kw).steps == 2
+    h24 = {"sync_every": 24, "overlap": 2}
+    assert round_policy.phase_shift(2, 2, 600, 300, 0, **h24).steps == 2  # exactly two
+    assert round_policy.phase_shift(2, 2, 601, 300, 0, **h24).steps == 3
+    # Capped at H - tau - 1, so a result is applied before its fragment is sent again.
+    assert round_policy.phase_shift(2, 2, 10_000, 300, 0, **kw).steps == 2
+    assert round_policy.phase_shift(9, 8, 1e6, 5.0, 0, **h24).steps == 21
+    assert round_policy.acts_on(6, 6) and not round_policy.acts_on(5, 6)
+    assert round_policy.acts_on(1, 0) and not round_policy.acts_on(0, 0)
+    # No step time yet: no shift, but the cycle's wait starts; nothing late yet: nothing.
+    assert round_policy.phase_shift(2, 1, 300, 0, 0, **kw) == round_policy.PhaseShift(0, 6)
+    assert round_policy.phase_shift(2, 0, 0, 1000, 0, **kw) is None
+    # A send following a merged version is late only within H/2 steps of its round opening.
+    assert round_policy.followed_late(0.15, 0.3, 4) == 0.15
+    assert round_policy.followed_late(0.6, 0.3, 4) == 0.6
+    assert round_policy.followed_late(0.61, 0.3, 4) is None
+
+
+def test_simulated_islands_shift_by_the_islands_rule(monkeypatch):
+    # The simulator calls round_policy.phase_shift (looked up at call time), not a copy:
+    # an island that never shifts drifts out of phase as without alignment.
+    calls = []
+    real = round_policy.phase_shift
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    cfg = SimConfig(chips=768, islands=2, days=0.3, chip_mtbi_s=math.inf, systems=("diloco",))
+    monkeypatch.setattr(round_policy, "phase_shift", spy)
+    aligned = simulate(cfg).rows[0]
+    assert len(calls) >= aligned.stats["phase_shifts"] >= 1
+    assert all(kw == {"sync_every": cfg.sync_every, "overlap": cfg.overlap} for _, kw in calls)
+    monkeypatch.setattr(round_policy, "phase_shift", lambda *a, **kw: None)
+    never = simulate(cfg).rows[0]
+    assert never.stats["phase_shifts"] == 0
+    assert never.goodput < aligned.goodput - 0.3
+
+
+def test_without_phase_alignment_the_paper_schedule_is_kept_and_the_flag_says_so(capsys):
+    cfg = SimConfig(**SMALL, systems=("diloco",))
+    row = simulate(cfg.replace(align_phase=False)).rows[0]
+    assert row.stats["phase_shifts"] == row.stats["shifted_steps"] == 0
+    argv = ["simulate", "--chips", "768", "--islands", "2", "--days", "0.3", "--chip-mtbi-s",
+            "inf", "--systems", "diloco", "--json", "-"]  # fmt: skip
+    goodput = {}
+    for flag in ("--align-phase", "--no-align-phase"):
+        assert cli_main([*argv, flag]) == 0
+        goodput[flag] = json.loads(capsys.readouterr().out)["rows"][0]["goodput"]
+    assert goodput["--align-phase"] > goodput["--no-align-phase"] + 0.3
+    with pytest.raises(ValueError, match=r"SimConfig\.align_phase must be True or False"):
+        SimConfig(align_phase=1)
 
 
 # The goal is 3 points on every published cell, judged on four simulated weeks: one week's

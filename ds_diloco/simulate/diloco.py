@@ -2,10 +2,11 @@
 
 Each island is an elastic data-parallel group of whole slices (the same pause
 costs as the elastic baseline) that never waits for the others. After inner
-step s it sends fragment (s / stride - 1) mod P, H/P steps apart, as
-``fragments.Schedule`` does. The coordinator closes each fragment's round by
-calling ``round_policy.decide`` -- the coordinator's own function, looked up at
-call time -- at every counted arrival and at every deadline it asks for.
+step s it sends fragment (k / stride - 1) mod P if its clock k = s + phase is a
+multiple of stride = H/P, as ``fragments.Schedule.due(s + phase)`` says (phase: 0
+unless phase alignment moved it, below). The coordinator closes each fragment's
+round by calling ``round_policy.decide`` -- the coordinator's own function, looked
+up at call time -- at every counted arrival and at every deadline it asks for.
 
 Accounting (goodput):
 - An island's step adds live chips x chip_step_s chip-seconds, 1/P to each fragment.
@@ -25,6 +26,22 @@ Accounting (goodput):
   -- which, a fragment missed being one with up to H steps of work on it, costs
   more than the pause that caused it.
 
+Phase alignment (``SimConfig.align_phase``, the coordinator's default): island m sends
+the fragment due at its clock s + phase[m]. An upload that comes one round late (stale,
+its base the version before the current one) is timed as the coordinator times it,
+from the first contribution of the round it missed; a send of a fragment that follows
+a version merged without the island is timed from that version's round, as the
+island's downloads say (if under H/2 steps). At the island's next agreement (a step
+that sends or is due a result) ``round_policy.phase_shift`` -- the islands' own rule
+-- says how many steps earlier it sends from then on; the fragments due at the clocks
+passed over are not sent this cycle. A version merged without an island is out
+``merge_s`` after the merge, and the island takes it if no upload of that fragment
+waits for a result: its work on the fragment since its last send is overwritten. The
+island applies it at its next agreement, overwriting the step in flight too; here it
+is taken when out, so that step's work on the fragment is kept (1/P of a step per
+version taken). If the fragment is due to be sent at the end of that step, it is
+taken instead of sent.
+
 Liveness: the coordinator counts an island as live while it holds a lease
 (``island_timeout_s``, 20 s, renewed by heartbeats). A re-forming island keeps
 heartbeating, so it stays live and a round it misses closes when its grace
@@ -42,7 +59,7 @@ from collections import deque
 import numpy as np
 
 from ds_diloco import round_policy
-from ds_diloco.round_policy import Ema, RoundState
+from ds_diloco.round_policy import Ema, PhaseShift, RoundState
 from ds_diloco.simulate.config import SimConfig
 from ds_diloco.simulate.result import CHIP_TIME, SystemResult
 from ds_diloco.simulate.trace import EULER_GAMMA, Trace, slowest_chip
@@ -50,7 +67,8 @@ from ds_diloco.simulate.trace import EULER_GAMMA, Trace, slowest_chip
 IN, AWAY, BACK = 0, 1, 2  # slice: in its island / away for repair / repaired, not yet rejoined
 RUN, PAUSE, WAIT, DEAD = 0, 1, 2, 3  # island: training / re-forming / idle until the fleet's
 # next step boundary / no healthy slice left
-RESUME, START, DEADLINE = 1, 2, 3  # events in _Sim.heap (step ends are in _Sim.steps)
+RESUME, START, DEADLINE, PUBLISH = 1, 2, 3, 4  # events in _Sim.heap (step ends are in
+# _Sim.steps); deadlines and publishes are taken in the hot loop, the others in run()
 DRAW_BLOCK = 1 << 16  # step-time draws taken from the generator at a time
 _NO_EVENT = (math.inf, math.inf, -1, -1)  # after every event: an empty queue
 _NO_SEGMENT = (math.inf, -math.inf)  # holds no time: no step has completed yet
@@ -120,9 +138,28 @@ class _Sim:
         self.n_dead = 0  # islands without a healthy slice (not live for the coordinator)
         self.covered: list[list[float]] = []  # union of completed steps' [start, end]
         self.useful = 0.0
+        # Phase alignment (see the module doc): each island's clock is its step + phase.
+        self.align, self.H = cfg.align_phase, cfg.sync_every
+        self.phase = [0] * M
+        self.target_phase = [0] * M  # WAIT: the phase to start with at the fleet's boundary
+        self.late: list[tuple[int, float] | None] = [None] * M  # (step, s) of a late upload
+        self.shifted_at = [0] * M  # late uploads sent before this step predate the last shift
+        # The last shift (its step, the phase before it, the shift): the fragments it
+        # passed over miss the round held meanwhile, so the first upload of each since says
+        # nothing of the phase (_passed_over).
+        self.last_shift: list[tuple[int, int, PhaseShift] | None] = [None] * M
+        # The version of each fragment the island last took without contributing to it (-1:
+        # none), when, and when that version's round opened: a send from it is timed.
+        self.took = [[-1] * P for _ in range(M)]
+        self.took_t = [[0.0] * P for _ in range(M)]
+        self.took_opened = [[0.0] * P for _ in range(M)]
+        self.opened = [0.0] * P  # first contribution of the round that made version[p]
+        self.pubs: deque[tuple[int, int, float, list[int]]] = deque()  # merged, not out yet:
+        # (p, version, its round's opening, its islands), out in this order (merge_s after)
         self.stats = dict.fromkeys(
-            ("merges", "contributions", "stale", "downscales", "upscales", "rejoins"), 0
-        )
+            ("merges", "contributions", "stale", "downscales", "upscales", "rejoins",
+             "phase_shifts", "shifted_steps"), 0,
+        )  # fmt: skip
         self.spent = dict.fromkeys(CHIP_TIME, 0.0)  # chip-seconds by category, but useful
         self.sum_live, self.t_away = sum(self.live), 0.0  # chips in a group; counted up to
         self.t_mode = [0.0] * M  # each island's live chips counted by mode up to here
@@ -195,16 +232,20 @@ class _Sim:
         )
         d = round_policy.decide(now, state, self.opts)
         if d.merge:
-            self._merge(p, state)
+            self._merge(p, state, now)
         elif d.wait_until is not None and d.wait_until != self.r_deadline[p]:
             self.r_deadline[p] = d.wait_until
             self._push(d.wait_until, DEADLINE, p, self.r_id[p])
 
-    def _merge(self, p: int, state: RoundState) -> None:
+    def _merge(self, p: int, state: RoundState, now: float) -> None:
         self.useful += sum(self.r_cov[p])
         self.stats["merges"] += 1
         self.stats["contributions"] += len(self.r_cov[p])
         self.version[p] += 1
+        if self.align and self.r_t[p]:  # the other islands take it once out (_publish)
+            self.opened[p] = self.r_t[p][0]
+            self.pubs.append((p, self.version[p], self.r_t[p][0], self.r_isl[p]))
+            self._push(now + self.cfg.merge_s, PUBLISH, p, 0)
         self.xi_sync_value = self.xi_sync.update(self.cfg.merge_s)
         if state.quorum_at is not None and state.first_arrival is not None:
             self.xi_quorum_value = self.xi_quorum.update(state.quorum_at - state.first_arrival)
@@ -233,6 +274,11 @@ class _Sim:
             self.version, self.r_isl, self.r_cov, self.r_t, self.r_id
         )  # fmt: skip
         ema, ema_val, seq, cov = self.ema_update, self.ema_val, self.seq, self.covered
+        align, phase, late, took, took_t, took_opened, opened, shifted_at = (
+            self.align, self.phase, self.late, self.took, self.took_t, self.took_opened,
+            self.opened, self.shifted_at,
+        )  # fmt: skip
+        followed_late, H = round_policy.followed_late, self.H
         step_s, cv, P, stride, tau = self.step_s, self.cv, self.P, self.stride, self.cfg.overlap
         popleft, insort = steps.popleft, bisect.insort
         draws, di = self.draws, self.di
@@ -246,12 +292,14 @@ class _Sim:
         queued = heap[0] if heap else _NO_EVENT  # the heap's next event, kept up to date
         while True:
             ev = steps[0] if steps else _NO_EVENT
-            if queued < ev:  # a deadline, resume or start comes first
+            if queued < ev:  # a deadline, publish, resume or start comes first
                 t, _, kind, p, rid = queued
-                if t > last or kind != DEADLINE:
+                if t > last or kind < DEADLINE:
                     break
                 heapq.heappop(heap)
-                if rid == r_id[p]:  # fragment p's round is still the one that asked
+                if kind == PUBLISH:
+                    self._publish(t)
+                elif rid == r_id[p]:  # fragment p's round is still the one that asked
                     self.r_deadline[p] = None
                     self._decide(p, t)
                 queued = heap[0] if heap else _NO_EVENT
@@ -272,20 +320,54 @@ class _Sim:
             if pending[m]:
                 self._catch_up(m)
             q, bm = applyq[m], base[m]
+            k = s + phase[m]  # the island's send clock (phase: 0 without alignment)
+            if k % stride:
+                p = -1
+                due = q and q[0][0] <= s  # no send, a result due: the island agrees
+            else:
+                p = (k // stride - 1) % P  # the fragment it sends (due: not read)
             while q and q[0][0] <= s:  # self._apply(m, s)
-                p = q[0][1]
-                if m in r_isl[p]:
+                f = q[0][1]
+                if m in r_isl[f]:
                     break
                 q.popleft()
-                bm[p] = version[p]
-            if s % stride == 0:  # it sends fragment p
-                p = (s // stride - 1) % P
+                bm[f] = version[f]
+            if (
+                align
+                and (
+                    late[m] is not None
+                    or (  # a send from a version merged without it: taken now, or late?
+                        p >= 0
+                        and took[m][p] == bm[p]
+                        and (
+                            took_t[m][p] > a
+                            or followed_late(t - took_opened[m][p], ema_val[m], H) is not None
+                        )
+                    )
+                )
+                and (p >= 0 or due)  # the island agrees at this step
+                and self._align(m, s, t, p)
+            ):
+                p = -1  # taken at this step instead of sent
+            if p >= 0:  # it sends fragment p
                 mk = mark[m]
                 sent = (c - mk[p]) / P
                 mk[p] = c
                 if bm[p] != version[p]:
                     n_stale += 1
                     stale += sent
+                    # One round late: the coordinator says how long after the first
+                    # contribution of the round it missed (the reply's late_s). Unless the
+                    # last shift passed p over: its first upload since (sent by shifted_at,
+                    # the first step the shift acts on again: round_policy.acts_on, inlined
+                    # as at every stale send) misses the round held meanwhile.
+                    if (
+                        align
+                        and s >= shifted_at[m]
+                        and bm[p] == version[p] - 1
+                        and (s > shifted_at[m] or not self._passed_over(m, p))
+                    ):
+                        late[m] = (s, max(t - opened[p], 0.0))
                 elif m in r_isl[p]:  # sent again before its last send merged (after a jump)
                     r_cov[p][r_isl[p].index(m)] += sent
                 else:
@@ -326,12 +408,76 @@ class _Sim:
             n_stale,
         )
 
+    def _publish(self, t: float) -> None:
+        """A merged version is out (``merge_s`` after its merge): every training island
+        that did not contribute to it and has no upload of the fragment waiting for a
+        result takes it (its work on the fragment since its last send is overwritten), as
+        it would at its next agreement. One re-forming or idle takes every version merged
+        meanwhile when it rejoins (``_begin``)."""
+        p, v, opened, isl = self.pubs.popleft()
+        mode, applyq, lost = self.mode, self.applyq, 0.0
+        for m, bm in enumerate(self.base):
+            if bm[p] >= v or m in isl or mode[m] != RUN:
+                continue
+            for _, f in applyq[m]:
+                if f == p:
+                    break  # its result brings the version
+            else:  # self._refresh(m, p), and the island follows version v
+                c, mk = self.cum[m], self.mark[m]
+                lost += c - mk[p]
+                mk[p], bm[p] = c, v
+                self.took[m][p], self.took_t[m][p], self.took_opened[m][p] = v, t, opened
+        if lost:
+            self.spent["overwritten"] += lost / self.P
+
+    def _align(self, m: int, s: int, t: float, p: int) -> bool:
+        """Island m's agreement after step s (at t) with something late: a stale upload
+        the coordinator timed, or the send of fragment p (-1: none) from a version merged
+        without the island, timed from that version's round (``followed_late``). Moves
+        the phase by ``phase_shift``, the islands' own rule. True: p's version came in
+        during this step, so it is taken instead of sent."""
+        taken_now = False
+        late_step, late_s = self.late[m] or (0, 0.0)
+        self.late[m] = None  # acted on now, or never (it predates the last shift)
+        step_s = self.ema_val[m]
+        if p >= 0 and self.took[m][p] == self.base[m][p]:
+            taken_now = self.took_t[m][p] > self.start[m]  # out during this step
+            opened_at = self.took_opened[m][p]
+            followed = round_policy.followed_late(max(t - opened_at, 0.0), step_s, self.H)
+            if followed is not None:
+                late_step, late_s = s, followed
+        if late_step:  # (nothing late: phase_shift would say None)
+            shift = round_policy.phase_shift(
+                s, late_step, late_s, step_s, self.shifted_at[m],
+                sync_every=self.H, overlap=self.cfg.overlap,
+            )  # fmt: skip
+            if shift is not None:
+                self.shifted_at[m] = shift.next_at
+                if shift.steps:
+                    self.last_shift[m] = (s, self.phase[m], shift)
+                    self.phase[m] = (self.phase[m] + shift.steps) % self.H
+                    self.stats["phase_shifts"] += 1
+                    self.stats["shifted_steps"] += shift.steps
+        return taken_now
+
+    def _passed_over(self, m: int, p: int) -> bool:
+        """Whether island m's last shift passed over a send of fragment p."""
+        if self.last_shift[m] is None:
+            return False
+        s, phase, shift = self.last_shift[m]
+        stride, P = self.stride, self.P
+        return any(
+            clock % stride == 0 and (clock // stride - 1) % P == p
+            for clock in shift.passed_over(s, phase)
+        )
+
     def _catch_up(self, m: int) -> None:
         """Take the rounds that were open when island m rejoined and have merged since."""
         keep = []
         for p, rid in self.pending[m]:
             if self.r_id[p] != rid:
-                self._refresh(m, p)
+                if self.base[m][p] != self.version[p]:  # (not taken when out: _publish)
+                    self._refresh(m, p)
             else:
                 keep.append((p, rid))
         self.pending[m] = keep
@@ -379,18 +525,18 @@ class _Sim:
         lead = self._leader()
         waiting = [k for k in range(self.M) if self.mode[k] == WAIT]
         if lead >= 0:  # the next step boundary of the island furthest ahead
-            at, idx = self.end[lead], self.idx[lead] + 1
+            at, idx, phase = self.end[lead], self.idx[lead] + 1, self.phase[lead]
         elif waiting:  # nobody trains: start with the next island due to
             k = min(waiting, key=lambda k: self.wait_at[k])
-            at, idx = self.wait_at[k], self.target[k]
+            at, idx, phase = self.wait_at[k], self.target[k], self.target_phase[k]
         else:  # alone: carry on with its own schedule
-            at, idx = t, self.idx[m]
+            at, idx, phase = t, self.idx[m], self.phase[m]
         if at > t:
             self.mode[m] = WAIT
-            self.wait_at[m], self.target[m] = at, idx
+            self.wait_at[m], self.target[m], self.target_phase[m] = at, idx, phase
             self._push(at, START, m, self.gen[m])
         else:
-            self._begin(m, t, idx)
+            self._begin(m, t, idx, phase)
 
     def _leader(self) -> int:
         """The training island furthest ahead in the schedule, or -1."""
@@ -400,11 +546,13 @@ class _Sim:
                 lead = k
         return lead
 
-    def _begin(self, m: int, t: float, idx: int) -> None:
-        """Rejoin: take every fragment merged without this island, then train from step idx.
+    def _begin(self, m: int, t: float, idx: int, phase: int) -> None:
+        """Rejoin: take every fragment merged without this island, then train from step idx
+        with send phase ``phase`` (the fleet's clock: that of the island it rejoins at).
 
         A fragment whose round is still open (the fleet just sent it) is taken once that
-        round merges, as an island waits for the merge of its own sends.
+        round merges, as an island waits for the merge of its own sends. Its phase
+        alignment starts over, as a relaunched island's does.
         """
         self._tick(m, t)
         self.stats["rejoins"] += 1
@@ -416,7 +564,10 @@ class _Sim:
                 self.pending[m].append((p, self.r_id[p]))
             elif self.base[m][p] != self.version[p]:
                 self._refresh(m, p)
-        self.idx[m] = idx
+        self.idx[m], self.phase[m] = idx, phase
+        self.late[m], self.shifted_at[m] = None, 0
+        self.last_shift[m] = None
+        self.took[m] = [-1] * self.P
         self.mode[m] = RUN
         self._schedule_step(m, t)
 
@@ -476,7 +627,7 @@ class _Sim:
                 elif kind == RESUME:
                     self._resume(a, t)
                 else:
-                    self._begin(a, t, self.target[a])
+                    self._begin(a, t, self.target[a], self.target_phase[a])
             elif tf <= tr:
                 if tf >= horizon:
                     break

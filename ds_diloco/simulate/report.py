@@ -79,7 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "infinite value, such as --chip-mtbi-s inf, as the string \"inf\")")  # fmt: skip
     model = p.add_argument_group("model parameters (defaults: the calibrated ones)")
     for f in dataclasses.fields(SimConfig):
-        if f.name not in _OWN:
+        if f.name in _OWN:
+            continue
+        if isinstance(f.default, bool):  # --align-phase / --no-align-phase
+            model.add_argument("--" + f.name.replace("_", "-"), default=None,
+                               action=argparse.BooleanOptionalAction,
+                               help=f"default {'on' if f.default else 'off'}")  # fmt: skip
+        else:
             kind = parse_count if "chips" in f.name else type(f.default)  # 150k, 1.2M
             model.add_argument("--" + f.name.replace("_", "-"), type=kind,
                                default=None, help=f"default {f.default:g}")  # fmt: skip
