@@ -51,7 +51,10 @@ week's Decoupled DiLoCo goodput falls to 34.9 / 21.7 / 11.5 / 5.8 % for M = 2 / 
 paper does not give, more than about the method. Simulated step by step, Decoupled
 DiLoCo gets 16x the steps at 2.4M chips: about 5 s per simulated day at 1.2M chips and
 M = 8, 6 s at 2.4M and M = 16 (about 40 s a week, inside the one minute asked of the
-simulator). With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts Decoupled
+simulator). Those figures are from before the islands' phase alignment was simulated
+(``align_phase``, stop 59): with it, every round there closes on its first upload and
+each island shifts about once a cycle; M = 16 at 2.4M then read 5.5 % (5.8 before) and
+the week took about 56 s of CPU, just inside the minute. With the earlier seed-0 fit (step_s=6, step_cv=0.005) it predicts Decoupled
 DiLoCo at M = 8, 1.2M chips at 83.6 % (published: 88; these defaults: 76.4 %).
 
 Decoupled DiLoCo's own settings are the paper's (P = H = 24, tau = 2, K = 1
