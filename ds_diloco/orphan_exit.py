@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 
 import psutil
@@ -22,20 +23,20 @@ import psutil
 log = logging.getLogger(__name__)
 
 RUN_ENV = "DS_DILOCO_RUN"
-"""``PID:START_TIME`` of the ``ds-diloco run`` process that started this one."""
+"""``PID:START_TIME:HOST`` of the ``ds-diloco run`` process that started this one."""
 CHECK_S = 2.0
 
 
 def run_env() -> dict[str, str]:
     """The variable that names this process as the run, for the processes it starts."""
-    return {RUN_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}"}
+    return {RUN_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}:{socket.gethostname()}"}
 
 
 def run_gone(value: str) -> bool:
     """Whether the run ``value`` (``RUN_ENV``'s form) has exited: no such process, a zombie
     (killed, its parent not yet told) or another process under its pid."""
-    pid, _, started = value.partition(":")
-    pid, started = int(pid), float(started)  # ValueError: not this form
+    pid, started, _ = value.split(":", 2)  # ValueError: not this form
+    pid, started = int(pid), float(started)
     try:
         p = psutil.Process(pid)
         return p.create_time() != started or p.status() == psutil.STATUS_ZOMBIE
@@ -53,7 +54,9 @@ def watch_run(check_s: float = CHECK_S) -> threading.Thread | None:
     try:
         run_gone(value)
     except ValueError:
-        raise ValueError(f"{RUN_ENV}={value!r} is not PID:START_TIME") from None
+        raise ValueError(f"{RUN_ENV}={value!r} is not PID:START_TIME:HOST") from None
+    if value.split(":", 2)[2] != socket.gethostname():  # a rank on another node: its pid
+        return None  # is no process here (the launcher passes the variable on only by hand)
 
     def watch() -> None:
         stop = threading.Event()

@@ -59,15 +59,19 @@ def test_a_run_is_known_by_its_pid_and_start_time():
     here = orphan_exit.run_env()[orphan_exit.RUN_ENV]
     assert not orphan_exit.run_gone(here)
     pid, _, started = here.partition(":")
-    assert orphan_exit.run_gone(f"{pid}:{float(started) - 1}")  # its pid, used again
+    started, host = started.split(":")
+    assert orphan_exit.run_gone(f"{pid}:{float(started) - 1}:{host}")  # its pid, used again
     unused = max(p.pid for p in psutil.process_iter()) + 10_000
-    assert orphan_exit.run_gone(f"{unused}:0.0")
+    assert orphan_exit.run_gone(f"{unused}:0.0:{host}")
 
 
 def test_no_watch_without_a_run_and_a_malformed_variable_is_named(monkeypatch):
     monkeypatch.delenv(orphan_exit.RUN_ENV, raising=False)
     assert orphan_exit.watch_run() is None
     monkeypatch.setenv(orphan_exit.RUN_ENV, "1234")
-    with pytest.raises(ValueError, match="DS_DILOCO_RUN='1234' is not PID:START_TIME"):
+    with pytest.raises(ValueError, match="DS_DILOCO_RUN='1234' is not PID:START_TIME:HOST"):
         orphan_exit.watch_run()
     assert os.environ[orphan_exit.RUN_ENV] == "1234"
+    # A rank on another node than the run's: the pid names no process here.
+    monkeypatch.setenv(orphan_exit.RUN_ENV, "1:0.0:another-node")
+    assert orphan_exit.watch_run() is None
