@@ -694,8 +694,10 @@ def test_a_hung_coordinator_is_killed_and_restarted_and_a_starting_one_is_left_a
         # What a hung one is sent before the kill: its threads' stacks go to its log.
         log = lr.workdir / "coordinator.log"
         os.kill(hung.pid, signal.SIGUSR1)
-        _wait_for(lambda: "Current thread" in log.read_text(), 10, "the stacks in its log")
-        assert "serve_forever" in log.read_text() and hung.poll() is None
+        # (Waited for as a whole: read while it was written, the dump was cut short.)
+        _wait_for(lambda: "Current thread" in (text := log.read_text()) and "serve_forever" in text,
+                  10, "the stacks in its log")  # fmt: skip
+        assert hung.poll() is None
         os.kill(hung.pid, signal.SIGSTOP)
         supervise_for(60, until=lambda: lr.coordinator is not hung)
         assert hung.returncode == -signal.SIGKILL, lr.events
