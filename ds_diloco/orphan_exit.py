@@ -32,11 +32,16 @@ def run_env() -> dict[str, str]:
     return {RUN_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}:{socket.gethostname()}"}
 
 
+def _parse(value: str) -> tuple[int, float, str]:
+    """(pid, start time, host) of ``RUN_ENV``'s value; ValueError: not that form."""
+    pid, started, host = value.split(":", 2)
+    return int(pid), float(started), host
+
+
 def run_gone(value: str) -> bool:
     """Whether the run ``value`` (``RUN_ENV``'s form) has exited: no such process, a zombie
     (killed, its parent not yet told) or another process under its pid."""
-    pid, started, _ = value.split(":", 2)  # ValueError: not this form
-    pid, started = int(pid), float(started)
+    pid, started, _ = _parse(value)
     try:
         p = psutil.Process(pid)
         return p.create_time() != started or p.status() == psutil.STATUS_ZOMBIE
@@ -52,18 +57,17 @@ def watch_run(check_s: float = CHECK_S) -> threading.Thread | None:
     if not value:
         return None
     try:
-        run_gone(value)
+        pid, _, host = _parse(value)
     except ValueError:
         raise ValueError(f"{RUN_ENV}={value!r} is not PID:START_TIME:HOST") from None
-    if value.split(":", 2)[2] != socket.gethostname():  # a rank on another node: its pid
-        return None  # is no process here (the launcher passes the variable on only by hand)
+    if host != socket.gethostname():  # a rank on another node: its pid is no process
+        return None  # here (the launcher passes the variable on only by hand)
 
     def watch() -> None:
         stop = threading.Event()
         while not stop.wait(check_s):
             if run_gone(value):
-                log.warning("the run that started this process (pid %s) is gone: stopping",
-                            value.partition(":")[0])  # fmt: skip
+                log.warning("the run that started this process (pid %d) is gone: stopping", pid)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
