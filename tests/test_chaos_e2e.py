@@ -134,3 +134,63 @@ def test_a_stop_signal_as_the_run_ends_still_stops_its_coordinator(
         leftovers = kill_leftovers(workdir)
     assert "coordinator started" in (workdir / "coordinator.log").read_text()
     assert leftovers.strip() == "", leftovers
+
+
+def test_the_time_of_an_island_given_up_is_read_from_its_progress_records(tmp_path):
+    """A given-up island's last launch wrote no summary: its time comes from its records
+    (it failed the report of the whole chaos run with FileNotFoundError)."""
+    records = [
+        {"island": "b", "step": 0, "tokens": 0, "started_at": 1000.0, "resumed": False},
+        {"island": "b", "step": 10, "loss": 3.0, "tokens": 640, "seconds": 5.0},
+        {"island": "b", "step": 10, "tokens": 640, "started_at": 1020.0, "resumed": True},
+        {"island": "b", "step": 15, "loss": 2.9, "tokens": 960, "seconds": 3.0},
+    ]  # fmt: skip
+    (tmp_path / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    t = harness.island_time(tmp_path)
+    # From its first launch to its last record; 15 steps in 8 s of its launches' clocks.
+    assert t == {"allocated_s": 23.0, "steps_run": 15, "launches": 2, "step_s": 8.0 / 15,
+                 "steps": 15}  # fmt: skip
+
+
+def test_a_baseline_given_up_is_reported_with_its_last_checkpoints_steps(
+    tmp_path, monkeypatch, tiny_config_path
+):
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps({
+        "workdir": str(tmp_path / "run"),
+        "model": {"config": tiny_config_path, "seed": 0},
+        "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        "data": {"path": str(REPO / "tests" / "data"), "vocab_size": 512, "seq_len": 64},
+        "train": {"steps": 40, "checkpoint_every": 10},
+        "islands": [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
+    }))  # fmt: skip
+    job = tmp_path / "job"  # what the job left: no summary, a checkpoint at step 20
+    (job / "checkpoints").mkdir(parents=True)
+    (job / "checkpoints" / "latest").write_text("step20")
+    records = [{"step": 0, "tokens": 0, "started_at": 1000.0},
+               {"step": 25, "loss": 3.0, "tokens": 1600, "seconds": 10.0}]  # fmt: skip
+    (job / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    class GivenUp:  # the job's LocalRun once its restarts ran out
+        restarts, given_up = {"data-parallel": 5}, {"data-parallel"}
+
+        def __init__(self, cfg):
+            pass
+
+        def start_island(self, *args, **kw):
+            pass
+
+        def finished(self):
+            return True
+
+        def stop(self):
+            pass
+
+        def island_dir(self, name):
+            return job
+
+    monkeypatch.setattr(harness, "LocalRun", GivenUp)
+    r = harness.run_baseline(load_run_config(run_file), None, tmp_path / "baseline")
+    assert r["given_up"] == ["data-parallel"] and r["steps"] == 20
+    assert r["goodput"] == pytest.approx(20 * 10.0 / 25 / 10.0)  # 20 of 25 steps kept
+    assert r["heldout_loss_island_end"] is None

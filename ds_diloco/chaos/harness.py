@@ -46,6 +46,7 @@ from ds_diloco.run import (
     CoordinatorStartError,
     LocalRun,
     ProgressPrinter,
+    _latest_checkpoint,
     evaluate,
     initial_loss,
     stop_deferred,
@@ -196,24 +197,35 @@ def island_time(island_dir: Path) -> dict:
 
     Every launch writes a ``started_at`` record; steps run per launch are counted up to
     its last progress record (a killed launch may have run up to ``log_every - 1`` more).
+    An island given up (its last launch failed: no summary) ends at its last record, and
+    its step time is its records' (the report of a whole chaos run was lost to it).
     """
     records = [json.loads(x) for x in (island_dir / "progress.jsonl").read_text().splitlines()]
-    summary = json.loads((island_dir / "summary-rank0.json").read_text())
-    launches: list[list[int]] = []  # [start step, last step seen]
+    path = island_dir / "summary-rank0.json"
+    summary = json.loads(path.read_text()) if path.is_file() else None
+    launches: list[list[float]] = []  # [start step, last step seen, started_at, its seconds]
     for r in records:
         if "started_at" in r:
-            launches.append([r["step"], r["step"]])
-        elif "step" in r and launches:
-            launches[-1][1] = max(launches[-1][1], r["step"])
-    launches[-1][1] = summary["steps"]
+            launches.append([r["step"], r["step"], r["started_at"], 0.0])
+        elif "step" in r and launches and r["step"] >= launches[-1][1]:
+            launches[-1][1], launches[-1][3] = r["step"], r.get("seconds", launches[-1][3])
+    if summary is not None:
+        launches[-1][1] = summary["steps"]
+    steps_run = sum(b - a for a, b, _, _ in launches)
     first = min(r["started_at"] for r in records if "started_at" in r)
-    return {
-        "allocated_s": summary["finished_at"] - first,
-        "steps_run": sum(b - a for a, b in launches),
-        "launches": len(launches),
+    if summary is not None:
+        end = summary["finished_at"]
         # The mean, not the median: an island runs faster while another is down or done.
-        "step_s": statistics.fmean(summary["step_times_s"]),
-        "steps": summary["steps"],
+        step_s = statistics.fmean(summary["step_times_s"])
+    else:
+        end = launches[-1][2] + launches[-1][3]
+        step_s = sum(s for _, _, _, s in launches) / steps_run if steps_run else 0.0
+    return {
+        "allocated_s": end - first,
+        "steps_run": steps_run,
+        "launches": len(launches),
+        "step_s": step_s,
+        "steps": summary["steps"] if summary is not None else launches[-1][1],
     }
 
 
@@ -407,16 +419,19 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
         _stop_all(lr, injector)
     wall = time.monotonic() - t0
     d = lr.island_dir(spec.name)
-    summary = json.loads((d / "summary-rank0.json").read_text())
+    path = d / "summary-rank0.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}  # none if given up
     times = {spec.name: island_time(d)}
+    # A job given up keeps the steps of its last checkpoint, all it would restart from.
+    steps = summary.get("steps", int(_latest_checkpoint(d).removeprefix("step") or 0))
     # Every rank of the job is allocated (and useful) for the same time: one island's shares.
-    split = breakdown(times, {spec.name: summary["steps"]})
+    split = breakdown(times, {spec.name: steps})
     return {
         "run": "baseline",
         "wall_s": round(wall, 1),
         "ranks": total,
         "checkpoint_every": every,
-        "steps": summary["steps"],
+        "steps": steps,
         "step_s_median": times[spec.name]["step_s"],
         "goodput": split["goodput"],
         "time_split": split,
@@ -424,7 +439,7 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
         "restarts": dict(lr.restarts),
         "given_up": sorted(lr.given_up),
         "injected": injector.log if injector else [],
-        "heldout_loss_island_end": summary["heldout_loss_end"],
+        "heldout_loss_island_end": summary.get("heldout_loss_end"),
     }
 
 
