@@ -287,6 +287,19 @@ def test_check_targets():
         s.check_targets({"a": 1, "b": 1})
 
 
+def test_check_targets_does_not_name_an_event_by_its_place_in_time_as_if_in_the_file(tmp_path):
+    path = tmp_path / "s.yaml"  # the bad event is the file's first; two come before it in time
+    path.write_text(
+        "events:\n"
+        "  - {at_s: 50.0, kind: stall, target: nosuch, duration_s: 2.0}\n"
+        "  - {at_s: 10.0, kind: stall, target: a, duration_s: 2.0}\n"
+        "  - {at_s: 20.0, kind: kill_rank, target: a, rank: 0}\n"
+    )
+    with pytest.raises(ValueError) as e:
+        Schedule.from_file(path).check_targets({"a": 1})
+    assert str(e.value) == "event stall at 50.0s: unknown island 'nosuch'; the run has: a"
+
+
 # ---- the injector ------------------------------------------------------------------------
 
 

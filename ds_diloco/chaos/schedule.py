@@ -221,18 +221,21 @@ class Schedule:
         return max((e.end_s for e in self.events), default=0.0)
 
     def check_targets(self, ranks_per_island: Mapping[str, int]) -> None:
-        """Raise ValueError if an event names an island or a rank the run does not have."""
-        for i, e in enumerate(self.events):
+        """Raise ValueError if an event names an island or a rank the run does not have.
+
+        The event is named by its kind and time: its place here is its place in time, not
+        in the file (``events[2]`` named a file's first event when two came before it)."""
+        for e in self.events:
             if e.kind == "kill_coordinator":
                 continue
             if e.target not in ranks_per_island:
                 raise ValueError(
-                    f"events[{i}] ({e.kind} at {e.at_s}s): unknown island {e.target!r}; "
+                    f"event {e.kind} at {e.at_s}s: unknown island {e.target!r}; "
                     f"the run has: {', '.join(ranks_per_island)}"
                 )
             if e.kind == "kill_rank" and e.rank >= ranks_per_island[e.target]:
                 raise ValueError(
-                    f"events[{i}] (kill_rank at {e.at_s}s): island {e.target!r} has ranks "
+                    f"event kill_rank at {e.at_s}s: island {e.target!r} has ranks "
                     f"0..{ranks_per_island[e.target] - 1}, got rank {e.rank}"
                 )
 
