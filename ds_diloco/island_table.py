@@ -46,7 +46,8 @@ class IslandRecord:
     of one contribution can end on its own path (stale on arrival, dropped at the
     merge, replaced, left pending); the contribution is counted once."""
     joined_at: float = dataclasses.field(default_factory=lambda: time.time())
-    """Wall-clock time of the first registration: from then on the island is allocated."""
+    """Wall-clock time of the first registration: from then on the island is allocated.
+    Moved later by the time between a leave and its next registration, which is not."""
     left_at: float | None = None
     """Wall-clock time it left for good (``leave``); None while it belongs to the run."""
     registrations: int = 1
@@ -60,6 +61,8 @@ class IslandRecord:
         """A new launch of the island registered (or is taken as registered): live again,
         at its world size; its step counts and replay marks start over (a restarted
         island may count its steps from an earlier checkpoint)."""
+        if self.left_at is not None:  # gone since (a finished run resumed): not allocated
+            self.joined_at += max(0.0, time.time() - self.left_at)
         self.registrations, self.world_size = incarnation, world_size
         self.left_at, self.finishing = None, False
         self.uploads.clear()

@@ -5,9 +5,9 @@ pseudo-gradients ended up in a merge. Every step trains all P fragments; for
 fragment p it counts once p's contribution holding it is merged (the
 contribution's ``steps`` counter), so an island's good time is
 ``steps_merged / P * step_time``. Allocated time runs from an island's first
-registration to now (or until it leaves), crashes, restarts, stalls and waits
-included. Steps lost to a crash, stale drops, and the tau steps between a
-fragment's send and its overwrite are not goodput.
+registration to now (or until it leaves; from a leave to its next registration is not
+allocated), crashes, restarts, stalls and waits included. Steps lost to a crash, stale
+drops, and the tau steps between a fragment's send and its overwrite are not goodput.
 
 Uptime is the share of wall-time windows (``window_s``) since the first island
 joined in which some fragment advanced.

@@ -611,6 +611,31 @@ def test_goodput_counts_merged_steps_and_uptime_counts_windows_with_a_merge(
     assert coord.status()["run"]["uptime"] == pytest.approx(1 / 3)
 
 
+def test_the_time_between_an_islands_leave_and_its_next_registration_is_not_allocated(
+    tiny_config_path, tmp_path, monkeypatch
+):
+    """A finished run resumed with more steps registers its islands again: the days in
+    between counted as their allocated time, and goodput fell to nothing."""
+    import ds_diloco.coordinator as coordinator_mod
+
+    wall = Clock()
+    monkeypatch.setattr(coordinator_mod.time, "time", wall)
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock,
+                 policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))  # fmt: skip
+    coord.register("a", 1, coord.plan.signature)
+    for step in (2, 4, 6):  # 3 steps of 1 s merged in 6 s, as above
+        clock.now += 2.0
+        wall.now += 2.0
+        send(coord, "a", step % 4 // 2, step=step, steps=2)
+        assert coord.poll(step % 4 // 2).merge
+    coord.leave("a")
+    wall.now += 86400.0  # a day later
+    coord.register("a", 1, coord.plan.signature)
+    wall.now += 2.0  # 2 s allocated since, nothing merged yet
+    assert coord.status()["run"]["goodput"] == pytest.approx(3 * 1.0 / 8.0)
+
+
 def test_newer_step_replaces_an_islands_waiting_contribution(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=2, tau=1))
