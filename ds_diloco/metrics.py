@@ -177,8 +177,9 @@ def prometheus_text(status: dict[str, Any], process: dict[str, float] | None = N
          lambda v: v["step_time_s"]),
         ("island_contributions_merged_total", "counter", "Contributions merged.",
          lambda v: v["merged"]),
-        ("island_contributions_dropped_total", "counter", "Contributions dropped (stale).",
-         lambda v: v["dropped"]),
+        ("island_contributions_dropped_total", "counter", "Contributions never merged: stale, "
+         "replaced by a newer one, over the norm guard, or pending when the island left, "
+         "registered again or lost its lease.", lambda v: v["dropped"]),
         ("island_tokens_merged_total", "counter", "Tokens in merged contributions, all fragments.",
          lambda v: v["tokens_merged"]),
         ("island_steps_merged_total", "counter", "Inner steps in merged contributions, summed "

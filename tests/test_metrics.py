@@ -66,6 +66,10 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
     assert 'ds_diloco_merges_by_quorum_total{contributors="2"} 4' in samples
     assert not any(ln.startswith('ds_diloco_island_step_seconds{island="b"}') for ln in samples)
     assert text.count("# TYPE ds_diloco_goodput gauge") == 1
+    # Not "(stale)" alone: a contribution replaced, refused or left pending counts too.
+    assert ("# HELP ds_diloco_island_contributions_dropped_total Contributions never merged: "
+            "stale, replaced by a newer one, over the norm guard, or pending when the island "
+            "left, registered again or lost its lease.") in text.splitlines()  # fmt: skip
     assert 'ds_diloco_fragment_pseudo_gradient_norm{fragment="1"} 0.5' in samples
     assert not any('pseudo_gradient_norm{fragment="0"}' in ln for ln in samples)  # no merge
     assert "ds_diloco_upload_bytes_total 1000" in samples
