@@ -305,8 +305,8 @@ class Coordinator:
                 log.info("island %s joins with world size %d", island, world_size)
             else:  # restarted (or resized): it may count its steps from an earlier checkpoint
                 log.info("island %s registers again with world size %d", island, world_size)
+                self._drop_pending(island)  # counted while the old registration's marks hold
                 isl.new_incarnation(isl.registrations + 1, world_size, now)
-            self._drop_pending(island)
         self._save_table()  # a registration is durable before it is acknowledged
         # The island's ranks send it with every upload: a process from before a later
         # registration (a restarted island's old launch, cut off and back) is refused.
@@ -440,8 +440,8 @@ class Coordinator:
             "older than that registration): taken as registered, world size %d",
             h.island, h.incarnation, isl.registrations, h.world_size,
         )  # fmt: skip
+        self._drop_pending(isl.island)  # counted while the old registration's marks hold
         isl.new_incarnation(h.incarnation, h.world_size, now)
-        self._drop_pending(isl.island)
 
     def _drop_pending(self, island: str, keep_final: bool = False) -> None:
         for fs in self._frags:

@@ -42,9 +42,9 @@ class IslandRecord:
     steps_dropped: int = 0
     """Inner steps in its dropped contributions, summed over fragments."""
     last_dropped: dict[int, int] = dataclasses.field(default_factory=dict)
-    """fragment -> step of the last contribution counted as dropped: each rank's part
-    of one contribution can end on its own path (stale on arrival, dropped at the
-    merge, replaced, left pending); the contribution is counted once."""
+    """fragment -> step of the last contribution of this registration counted as dropped:
+    each rank's part of one contribution can end on its own path (stale on arrival,
+    dropped at the merge, replaced, left pending); the contribution is counted once."""
     joined_at: float = dataclasses.field(default_factory=lambda: time.time())
     """Wall-clock time of the first registration: from then on the island is allocated.
     Moved later by the time between a leave and its next registration, which is not."""
@@ -59,13 +59,16 @@ class IslandRecord:
 
     def new_incarnation(self, incarnation: int, world_size: int, now: float) -> None:
         """A new launch of the island registered (or is taken as registered): live again,
-        at its world size; its step counts and replay marks start over (a restarted
-        island may count its steps from an earlier checkpoint)."""
+        at its world size; its step counts, replay and drop marks start over (a restarted
+        island may count its steps from an earlier checkpoint: a contribution at a step
+        the last launch had one dropped at was not counted). The old launch's pending
+        contributions are dropped first (``Coordinator._drop_pending``)."""
         if self.left_at is not None:  # gone since (a finished run resumed): not allocated
             self.joined_at += max(0.0, time.time() - self.left_at)
         self.registrations, self.world_size = incarnation, world_size
         self.left_at, self.finishing = None, False
         self.uploads.clear()
+        self.last_dropped.clear()
         self.last_step, self.last_step_at, self.last_seen = 0, None, now
 
     def count_dropped(self, fragment: int, step: int, steps: int) -> None:
@@ -162,6 +165,7 @@ def restore_merge_marks(
             isl.registrations = latest
             isl.world_size = next(m["world_size"] for _, m in marks if m["incarnation"] == latest)
             isl.uploads.clear()
+            isl.last_dropped.clear()
         for f, m in marks:
             if m["incarnation"] != isl.registrations:
                 continue  # registered again since: it may count its steps from a checkpoint

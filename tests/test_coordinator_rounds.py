@@ -587,6 +587,34 @@ def test_a_stalled_islands_late_contribution_follows_the_staleness_policy(
     assert coord.status()["islands"]["b"]["live"] is True  # heard from again
 
 
+def test_a_restarted_islands_drop_at_the_step_of_its_last_launchs_drop_is_counted(
+    tiny_config_path, tmp_path
+):
+    """A restarted island counts its steps again from its checkpoint: a contribution of it
+    dropped at the step where its last launch had one dropped was not counted (merged +
+    dropped fell short of the contributions sent; steps_dropped too)."""
+    clock = Clock()
+    coord = make(tiny_config_path, tmp_path / "s", clock,
+                 policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1))  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    base = coord.versions()[0]
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge
+    frag = coord.plan.fragments[0]
+    full = {p.name: torch.ones(p.shape) for p in frag.params}
+    for incarnation in (1, 2):  # "b" against the old version, then again after its restart
+        if incarnation == 2:
+            assert coord.register("b", 1, coord.plan.signature)["incarnation"] == 2
+        header = wire.UploadHeader(island="b", rank=0, world_size=1, fragment=0,
+                                   base_version=base, step=2, tokens=100, steps=2,
+                                   incarnation=incarnation)  # fmt: skip
+        reply = coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
+        assert reply["status"] == "dropped" and "stale" in reply["reason"], reply
+    b = coord.status()["islands"]["b"]
+    assert (b["dropped"], b["steps_dropped"]) == (2, 4)
+
+
 def test_goodput_counts_merged_steps_and_uptime_counts_windows_with_a_merge(
     tiny_config_path, tmp_path, monkeypatch
 ):
