@@ -157,7 +157,8 @@ class CoordinatorConfig:
     acknowledged (served) merge is lost in a crash. False: only every ``save_every_merges``
     (a crash then resumes at older values, under a higher version number)."""
     uptime_window_s: float = 10.0
-    """Uptime is the share of windows of this many seconds in which some fragment advanced."""
+    """Uptime is the share of windows of this many seconds in which some fragment advanced
+    (a state dir keeps the window its uptime was counted in)."""
     stall_exit_s: float = 120.0
     """A coordinator process whose event loop does not come round for this long (a
     deadlock: nothing it does holds the loop for more than moments) writes every thread's

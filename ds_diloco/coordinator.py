@@ -224,6 +224,9 @@ class Coordinator:
         self._xi_quorum = Ema.from_dict(state["xi_quorum"])
         self._xi_sync = Ema.from_dict(state["xi_sync"])
         self.metrics = RunMetrics.from_dict(state.get("metrics"), self.cfg.uptime_window_s)
+        if self.metrics.window_s != self.cfg.uptime_window_s:
+            log.warning("uptime_window_s %g: this state's uptime is counted in windows of %g s, "
+                        "which it keeps", self.cfg.uptime_window_s, self.metrics.window_s)  # fmt: skip
         self._reserved = self.versions()
         if not state.get("run_id"):
             self._save_table()

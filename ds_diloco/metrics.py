@@ -102,7 +102,10 @@ class RunMetrics:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, window_s: float) -> RunMetrics:
-        m = cls(window_s)
+        """The saved counters (None: a new run's, in windows of ``window_s``). They keep the
+        windows they were counted in: read in other ones, an uptime of 0.5 in 10 s windows
+        was 1.0 in 60 s windows."""
+        m = cls(d.get("window_s", window_s) if d else window_s)
         if d:
             m.started_at = d.get("started_at")
             m.windows_advanced = int(d.get("windows_advanced", 0))

@@ -34,6 +34,10 @@ def test_uptime_counts_windows_with_a_merge_and_survives_a_restart():
     assert m.uptime(129.0) == pytest.approx(2 / 3)
     again = RunMetrics.from_dict(m.to_dict(), window_s=10.0)
     assert again.uptime(129.0) == pytest.approx(2 / 3)
+    # Restarted with another window: the counts stay in theirs (in 60 s windows: 1.0).
+    other = RunMetrics.from_dict(m.to_dict(), window_s=60.0)
+    assert other.window_s == 10.0 and other.uptime(129.0) == pytest.approx(2 / 3)
+    assert RunMetrics.from_dict(None, window_s=60.0).window_s == 60.0  # a new run's
     assert again.by_quorum == {2: 1, 1: 2} and again.by_staleness == {0: 3, 1: 1}
     with pytest.raises(ValueError, match="window"):
         RunMetrics(window_s=0)
