@@ -1066,15 +1066,23 @@ def _stall_line(log: Path, since: int, tail_bytes: int = 1 << 20) -> str | None:
 
 def _last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
     """The last whole record of a progress file, reading only its end: the file grows
-    by a record every few steps for the whole run, and this is read every few seconds."""
-    text = _read_end(path, 0, tail_bytes)
-    if text is None:
-        return None
-    for line in reversed(text.splitlines()):  # a crash can cut the last line short
-        record = _json_or_none(line)
-        if isinstance(record, dict):
-            return record
-    return None
+    by a record every few steps for the whole run, and this is read every few seconds.
+    An end without one is read again, twice as long: an island's last record lists each
+    step's time and memory (over 64 KiB past about 2,500 steps), and was not found."""
+    while True:
+        text = _read_end(path, 0, tail_bytes)
+        if text is None:
+            return None
+        for line in reversed(text.splitlines()):  # a crash can cut the last line short
+            record = _json_or_none(line)
+            if isinstance(record, dict):
+                return record
+        try:
+            if path.stat().st_size <= tail_bytes:  # the whole file was read
+                return None
+        except FileNotFoundError:
+            return None
+        tail_bytes *= 2
 
 
 def _latest_checkpoint(island_dir: Path) -> str:

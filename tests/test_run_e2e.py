@@ -1107,6 +1107,22 @@ def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_co
     assert "coordinator unreachable" in line and "tok/s" not in line and "left" not in line
 
 
+def test_a_last_record_longer_than_the_end_read_is_read_whole(tmp_path):
+    # An island's last record lists each step's time and memory: past about 2,500 steps it
+    # is over the 64 KiB read from the file's end, and the progress line left the island out
+    # (all of them done: "[starting]").
+    path = tmp_path / "progress.jsonl"
+    done = {"island": "a", "done": True, "steps": 3000, "step_times_s": [0.12345] * 3000,
+            "step_rss_mb": [1234.5] * 3000, "step_anon_mb": [567.8] * 3000}  # fmt: skip
+    step = {"island": "a", "step": 3000, "loss": 5.0}
+    path.write_text(json.dumps(step) + "\n" + json.dumps(done) + "\n")
+    assert path.stat().st_size > 1 << 16
+    assert run_mod._last_record(path) == done
+    assert run_mod._last_record(path, tail_bytes=100) == done
+    path.write_text(json.dumps(done)[1000:] + "\n")  # no whole record in the file
+    assert run_mod._last_record(path, tail_bytes=100) is None
+
+
 def test_the_progress_line_gives_each_islands_tokens_per_second_and_the_time_left(
     tmp_path, tiny_config_path
 ):
