@@ -194,3 +194,21 @@ def test_a_baseline_given_up_is_reported_with_its_last_checkpoints_steps(
     assert r["given_up"] == ["data-parallel"] and r["steps"] == 20
     assert r["goodput"] == pytest.approx(20 * 10.0 / 25 / 10.0)  # 20 of 25 steps kept
     assert r["heldout_loss_island_end"] is None
+
+
+def test_the_time_of_an_island_skips_a_progress_line_torn_by_a_kill(tmp_path):
+    """A rank killed mid-write leaves a torn line, and its restarted launch appends to it:
+    the report of the whole chaos run failed on it (JSONDecodeError)."""
+    (tmp_path / "progress.jsonl").write_text(
+        '{"island": "a", "step": 0, "tokens": 0, "started_at": 1000.0}\n'
+        '{"island": "a", "step": 10, "loss": 3.0, "tokens": 640, "seconds": 5.0}\n'
+        '{"island": "a", "step": 15, "lo{"island": "a", "step": 10, "started_at": 1020.0}\n'
+        '{"island": "a", "step": 20, "loss": 2.9, "tokens": 1280, "seconds": 4.0}\n'
+    )
+    (tmp_path / "summary-rank0.json").write_text(
+        json.dumps({"steps": 20, "finished_at": 1030.0, "step_times_s": [0.5]})
+    )
+    t = harness.island_time(tmp_path)
+    # The torn line held the second launch's start: its steps count from the first's last.
+    assert t == {"allocated_s": 30.0, "steps_run": 20, "launches": 1, "step_s": 0.5,
+                 "steps": 20}  # fmt: skip

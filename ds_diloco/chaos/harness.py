@@ -46,6 +46,7 @@ from ds_diloco.run import (
     CoordinatorStartError,
     LocalRun,
     ProgressPrinter,
+    _json_or_none,
     _latest_checkpoint,
     evaluate,
     initial_loss,
@@ -200,7 +201,9 @@ def island_time(island_dir: Path) -> dict:
     An island given up (its last launch failed: no summary) ends at its last record, and
     its step time is its records' (the report of a whole chaos run was lost to it).
     """
-    records = [json.loads(x) for x in (island_dir / "progress.jsonl").read_text().splitlines()]
+    lines = (island_dir / "progress.jsonl").read_text(errors="replace").splitlines()
+    # A rank killed mid-write leaves a torn line (its next launch appends to it): left out.
+    records = [r for r in map(_json_or_none, lines) if isinstance(r, dict)]
     path = island_dir / "summary-rank0.json"
     summary = json.loads(path.read_text()) if path.is_file() else None
     launches: list[list[float]] = []  # [start step, last step seen, started_at, its seconds]
