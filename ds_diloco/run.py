@@ -44,7 +44,7 @@ import torch
 
 from ds_diloco import orphan_exit
 from ds_diloco.cli import INPUT_ERROR_EXIT
-from ds_diloco.client import CoordinatorClient
+from ds_diloco.client import CoordinatorClient, TLSError
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.global_eval import HELDOUT_BLOCKS
 from ds_diloco.learner import LearnerError
@@ -370,6 +370,8 @@ class LocalRun:
                 client.health()
                 self._mark("coordinator_up_s")
                 return client
+            except TLSError as e:  # it answers, its certificate refused: waiting changes nothing
+                raise CoordinatorStartError(str(e)) from None
             except Exception:
                 time.sleep(0.1)
         raise CoordinatorStartError(

@@ -6,6 +6,7 @@ the coordinator serves HTTPS with tls_cert/tls_key, and clients check its certif
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -233,6 +234,40 @@ def test_a_run_with_a_tls_coordinator_trains_and_merges_over_https(
     assert min(summary["merges"]) >= 2, summary["merges"]
     assert f"--ca-file {certs / 'cert.pem'}" in proc.stdout  # the status command it prints
     assert "coordinator listening on https://" in (work / "coordinator.log").read_text()
+
+
+def test_a_run_whose_coordinator_certificate_is_not_for_its_host_says_so_at_once(
+    certs, tiny_config_path, tmp_path, monkeypatch
+):
+    # The run reaches its coordinator at 127.0.0.1: with a certificate for another name it
+    # waited COORDINATOR_START_S (120 s), then said the coordinator "did not answer".
+    from ds_diloco import run as run_mod
+
+    leaf = trustme.CA().issue_cert("coordinator.example")
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    tls_files = {"tls_cert": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem")}
+    srv = ServerThread(dataclasses.replace(coordinator_cfg(tiny_config_path, tmp_path / "s"),
+                                           **tls_files))  # fmt: skip
+    try:
+        run = load_run_config(_run_file(tmp_path, tiny_config_path, certs, steps=1))
+        lr = run_mod.LocalRun(dataclasses.replace(
+            run, coordinator=dataclasses.replace(run.coordinator, **tls_files)))  # fmt: skip
+        lr.url, lr.token = srv.url, TOKEN
+
+        class Alive:  # the coordinator process, up
+            def poll(self):
+                return None
+
+        lr.coordinator = Alive()
+        monkeypatch.setattr(run_mod, "COORDINATOR_START_S", 3.0)
+        t0 = time.monotonic()
+        with pytest.raises(run_mod.CoordinatorStartError) as e:
+            lr.wait_for_coordinator()
+        assert time.monotonic() - t0 < 2.0
+        assert "certificate was refused" in str(e.value) and "127.0.0.1" in str(e.value), e.value
+    finally:
+        srv.stop()
 
 
 def test_an_island_that_does_not_trust_the_coordinator_is_given_up_with_one_line(
