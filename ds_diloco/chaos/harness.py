@@ -435,7 +435,7 @@ def run_baseline(cfg: RunConfig, schedule: Schedule | None, workdir: Path) -> di
         "ranks": total,
         "checkpoint_every": every,
         "steps": steps,
-        "step_s_median": times[spec.name]["step_s"],
+        "step_s_mean": times[spec.name]["step_s"],
         "goodput": split["goodput"],
         "time_split": split,
         "island_times": times,
