@@ -605,7 +605,7 @@ class Coordinator:
         for this step land in (the contribution's row once one is taken in)."""
         with self._lock:
             _, cur = self._admit(h, fs, self.clock())
-            landing = fs.landings.get((h.island, h.step))
+            landing = fs.landings.get((h.island, h.incarnation, h.step))
             if landing is not None and h.rank in landing.ranks:
                 raise CoordinatorError(
                     409,
@@ -613,7 +613,7 @@ class Coordinator:
                     f"{h.fragment} for step {h.step} already (that body is still coming in)",
                 )
             same = cur is not None and cur.step == h.step
-            landing = fs.land(h.island, h.step, h.rank, cur.row if same else None)
+            landing = fs.land(h.island, h.incarnation, h.step, h.rank, cur.row if same else None)
         ranges = self._ranges(fs, h.world_size, h.rank)
         parts = {
             seg.name: landing.row[seg.offset + a : seg.offset + b]

@@ -93,6 +93,9 @@ class Landing:
     accepted makes it its contribution's row, so every rank's slices land in place."""
 
     island: str
+    incarnation: int
+    """The island's registration its ranks send from: a later one (a restarted island, maybe
+    of another world size) never reads into the row of an earlier one's bodies still coming."""
     step: int
     row: torch.Tensor
     ranks: set[int] = dataclasses.field(default_factory=set)
@@ -180,7 +183,7 @@ class FragmentState:
         self.publish(version, values)  # once: a second publication would recycle ``values``
         self.lock = RWLock()
         self.assembling: dict[str, Contribution] = {}
-        self.landings: dict[tuple[str, int], Landing] = {}  # by (island, step)
+        self.landings: dict[tuple[str, int, int], Landing] = {}  # by (island, incarnation, step)
         self._writers: dict[int, int] = {}  # id(row) -> uploads reading into it now
         self._give_after: dict[int, torch.Tensor] = {}  # rows let go while being read into
         self.complete: dict[str, Contribution] = {}
@@ -261,22 +264,26 @@ class FragmentState:
     def receiving(self) -> dict[str, list[int]]:
         """By island, the ranks whose upload bodies are coming in now."""
         out: dict[str, set[int]] = {}
-        for (island, _), landing in self.landings.items():
-            out.setdefault(island, set()).update(landing.ranks)
+        for landing in self.landings.values():
+            out.setdefault(landing.island, set()).update(landing.ranks)
         return {k: sorted(v) for k, v in sorted(out.items())}
 
     def released(self, row: torch.Tensor) -> bool:
         """Whether ``row`` was given back and goes to the pool once no upload reads into it."""
         return id(row) in self._give_after
 
-    def land(self, island: str, step: int, rank: int, row: torch.Tensor | None) -> Landing:
-        """The landing of ``island``'s uploads for ``step`` with ``rank`` reading into it:
-        the one open, else a new one on ``row`` (a contribution's), else on a new row."""
-        landing = self.landings.get((island, step))
+    def land(
+        self, island: str, incarnation: int, step: int, rank: int, row: torch.Tensor | None
+    ) -> Landing:
+        """The landing of ``island``'s uploads (from registration ``incarnation``) for
+        ``step`` with ``rank`` reading into it: the one open, else a new one on ``row`` (a
+        contribution's), else on a new row."""
+        key = (island, incarnation, step)
+        landing = self.landings.get(key)
         if landing is None:
             adopted = row is not None
             row = self.take_row() if row is None else row
-            landing = self.landings[(island, step)] = Landing(island, step, row, adopted=adopted)
+            landing = self.landings[key] = Landing(island, incarnation, step, row, adopted=adopted)
         landing.ranks.add(rank)
         self._writers[id(landing.row)] = self._writers.get(id(landing.row), 0) + 1
         return landing
@@ -291,7 +298,8 @@ class FragmentState:
             if self._give_after.pop(key, None) is not None:
                 self.pool.give(landing.row)
         if not landing.ranks:
-            if self.landings.get((landing.island, landing.step)) is landing:
-                del self.landings[(landing.island, landing.step)]
+            at = (landing.island, landing.incarnation, landing.step)
+            if self.landings.get(at) is landing:
+                del self.landings[at]
             if not landing.adopted:  # no contribution took it
                 self.give_row(landing.row)

@@ -325,6 +325,46 @@ def test_a_row_dropped_while_a_rank_still_streams_into_it_waits_for_that_rank(
     assert coord.status()["buffers"]["in_use"] == in_use  # given back by the last writer
 
 
+def test_a_restarted_islands_uploads_never_land_in_the_row_its_old_launch_still_sends_into(
+    tiny_config_path, tmp_path
+):
+    # Rank 1 of the island's first launch (2 ranks) is still sending step 2 when the island
+    # registers again with 1 rank and sends step 2 too. Its upload shared the old launch's
+    # row: complete at once, then the old rank 1's data overwrote half of it (the merge took
+    # them), and a new rank 1 would have been refused as "still coming in".
+    opts = {"policy": PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)}
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), **opts)
+    ref = make(tiny_config_path, tmp_path / "r", Clock(), **opts)
+    frag = coord.plan.fragments[0]
+    coord.register("a", 2, coord.plan.signature)
+    old = _bodies(coord, "a", 2, 2, {p.name: torch.full(p.shape, 5.0) for p in frag.params})
+    ing = coord.upload_begin(_head(old[1]), len(old[1]))
+    for c in (coord, ref):
+        c.register("a", 1, c.plan.signature)
+    ref.register("a", 1, ref.plan.signature)  # the same incarnation (2) as at ``coord``
+    full = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    (new,) = _bodies(coord, "a", 1, 2, full, incarnation=2)
+    assert coord.upload(new)["complete"] and ref.upload(new)["complete"]
+    _write(ing, old[1])
+    with pytest.raises(CoordinatorError) as e:
+        coord.upload_finish(ing)
+    assert e.value.status == 409 and wire.SUPERSEDED in str(e.value)
+    assert coord.poll(0).merge and ref.poll(0).merge
+    got, want = coord.global_tensors(), ref.global_tensors()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # The same world size: every rank of the new launch is taken beside the old one's.
+    coord.register("a", 2, coord.plan.signature)  # incarnation 3
+    old = _bodies(coord, "a", 2, 4, full, incarnation=3)
+    ing = coord.upload_begin(_head(old[1]), len(old[1]))
+    coord.register("a", 2, coord.plan.signature)  # incarnation 4
+    replies = [coord.upload(b) for b in _bodies(coord, "a", 2, 4, full, incarnation=4)]
+    assert [r["status"] for r in replies] == ["accepted"] * 2 and replies[1]["complete"]
+    coord.upload_abort(ing)
+    assert coord.status()["pending"] == {
+        "0": {"complete": ["a"], "assembling": {}, "receiving": {}}
+    }
+
+
 def test_an_upload_whose_contribution_was_dropped_while_it_came_starts_one_on_a_new_row(
     tiny_config_path, tmp_path
 ):
