@@ -359,6 +359,10 @@ class CoordinatorServer:
             raise CoordinatorError(
                 408, f"upload body stalled: no byte for {BODY_IDLE_S:g} s after {pos} of {n}"
             ) from None
+        except ConnectionError:  # (an island stopped mid-upload): not a server error
+            log.debug("upload: the client went away after %d of %d bytes of its body", pos, n)
+            raise CoordinatorError(400, f"body cut short: the client went away after {pos} of {n} "
+                                   "bytes") from None  # fmt: skip
         if not chunk:
             raise CoordinatorError(400, f"body ended after {pos} of {n} bytes")
         if pos + len(chunk) > n:

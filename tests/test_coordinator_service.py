@@ -1051,6 +1051,44 @@ def test_a_streamed_upload_that_stalls_is_refused_and_lets_go_of_its_row(
         srv.stop()
 
 
+@pytest.mark.parametrize("inline_bytes", [INLINE_DEFAULT, 0], ids=["whole", "streamed"])
+def test_an_upload_whose_client_goes_away_mid_body_ends_quietly_and_keeps_nothing(
+    tiny_config_path, tmp_path, monkeypatch, caplog, inline_bytes
+):
+    # An island stopped (or cut off) half-way through an upload: the read of the rest
+    # raised ConnectionResetError, which aiohttp logged as an error with a traceback.
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
+    try:
+        client = client_for(srv)
+        client.register("a", 1, srv.coord.plan.signature)
+        in_use = srv.coord.status()["buffers"]["in_use"]
+        frag = srv.coord.plan.fragments[0]
+        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                              step=4, tokens=64, steps=4)  # fmt: skip
+        body = wire.encode_upload(h, delta)
+        with caplog.at_level(logging.DEBUG, logger="ds_diloco.server"):
+            with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+                s.sendall(
+                    b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+                    + b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+                    + body[: len(body) // 2]
+                )  # fmt: skip
+                time.sleep(0.2)
+            deadline = time.monotonic() + 5
+            while "went away" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.01)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+        assert srv.coord.status()["buffers"]["in_use"] == in_use
+        assert srv.coord.status()["pending"] == {}
+        assert client.upload_body(body)["complete"]  # the same upload whole is taken
+    finally:
+        srv.stop()
+
+
 def test_the_body_limit_by_default_is_the_largest_upload_a_valid_island_sends(
     tiny_config_path, tmp_path, caplog
 ):
