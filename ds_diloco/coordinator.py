@@ -969,12 +969,13 @@ class Coordinator:
                             f"backing off after {fs.failures_in_a_row} failed merge(s) in a row")  # fmt: skip
         return None
 
-    def poll(self, index: int) -> Decision:
+    def poll(self, index: int, save: bool = True) -> Decision:
         """Merge fragment ``index`` if its round should close now; returns the decision.
 
         A merge that fails changes nothing (see :meth:`_merge`): its contributions go
         back into the round, which may close again after a backoff (:meth:`_merge_failed`);
-        the decision returned then says so."""
+        the decision returned then says so. ``save``: then the periodic save, if due
+        (:meth:`save_if_due`; the server runs it once the merge's long polls are answered)."""
         fs = self._frags[index]
         now = self.clock()
         with self._lock:
@@ -1005,13 +1006,18 @@ class Coordinator:
                         fs.give_row(c.row)
                 else:
                     decision = self._merge_failed(fs, contribs, version, error)
-        if error is None and self._merges_since_save >= self.cfg.save_every_merges:
-            try:  # the merge is done and served: a failed save is not a failed merge
-                self.save()
-            except Exception:  # the counter is not reset: the next merge tries again
-                log.exception("fragment %d merged to v%d, but the periodic save failed",
-                              index, version + 1)  # fmt: skip
+        if error is None and save:
+            self.save_if_due()
         return decision
+
+    def save_if_due(self) -> None:
+        """The periodic save, once ``save_every_merges`` merges were made since the last."""
+        if self._merges_since_save < self.cfg.save_every_merges:
+            return
+        try:  # the merges are done and served: a failed save is not a failed merge
+            self.save()
+        except Exception:  # the counter is not reset: the next merge tries again
+            log.exception("versions %s merged, but the periodic save failed", self.versions())
 
     def _merge_failed(self, fs, contribs, version: int, error: Exception) -> Decision:
         """Count a failed merge, put its contributions back into the round and hold the

@@ -493,7 +493,7 @@ class CoordinatorServer:
                 due, wake = [], None
             for i in due:
                 if i not in busy:
-                    busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i)
+                    busy[i] = loop.run_in_executor(self._pool, self.coord.poll, i, False)
                     busy[i].add_done_callback(lambda _f, i=i: self._merge_done(busy, i))
             # A merge kicks the loop when it is done: its fragment needs no wake-up time.
             delay = _IDLE_POLL_S if wake is None else max(0.0, wake - self.coord.clock())
@@ -508,6 +508,10 @@ class CoordinatorServer:
         self._kick.set()
         published, self._published = self._published, asyncio.Event()
         published.set()  # wakes the long polls waiting for this merge
+        # Not in the merge's task: the long polls waited for the save (every changed
+        # fragment's file, without durable_merges) before they heard of the version.
+        if not self._closing:  # (stop saves, once the pool is done)
+            self._pool.submit(self.coord.save_if_due)
 
     # ------------------------------------------------------------ life cycle
     async def start(

@@ -619,6 +619,51 @@ def test_a_merge_whose_durable_write_fails_is_retried_by_the_round_loop(tiny_con
         srv.stop()
 
 
+def test_a_merge_is_answered_to_its_long_polls_before_the_periodic_save(tiny_config_path, tmp_path):
+    # Without durable merges, a merge's task went on to the periodic save (every changed
+    # fragment's file) before the round loop woke the long polls: served, the version
+    # reached no island until the save was done (2 s on this slow disk).
+    cfg = make_cfg(
+        tiny_config_path, tmp_path / "s", policy=PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1),
+        durable_merges=False, save_every_merges=1,
+    )  # fmt: skip
+    srv = ServerThread(cfg)
+    try:
+        store = srv.coord.store
+        real_write = store.write_fragment
+
+        def slow_write(*args, **kwargs):
+            time.sleep(2.0)
+            real_write(*args, **kwargs)
+
+        store.write_fragment = slow_write
+        client, poller = client_for(srv), client_for(srv)
+        client.register("a", 1, srv.coord.plan.signature)
+        frag = srv.coord.plan.fragments[0]
+        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                              step=4, tokens=64, steps=4)  # fmt: skip
+        answer = []
+        waiter = threading.Thread(
+            target=lambda: answer.append((poller.versions(known=[0] * 4, wait=10), time.monotonic()))
+        )  # fmt: skip
+        waiter.start()
+        time.sleep(0.3)  # waiting
+        assert client.upload(h, delta)["complete"]
+        while srv.coord.versions()[0] != 1:
+            time.sleep(0.005)
+        served = time.monotonic()
+        waiter.join(timeout=15)
+        assert answer and answer[0][0] == [1, 0, 0, 0], answer
+        assert answer[0][1] - served < 1.0, answer[0][1] - served
+        deadline = time.monotonic() + 10  # and the periodic save is made all the same
+        while store.read_fragment(0)[0] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+
+
 def test_discount_policy_merges_stale_contribution_with_less_weight(tiny_config_path, tmp_path):
     cfg = make_cfg(
         tiny_config_path,
