@@ -287,13 +287,28 @@ class CoordinatorServer:
 
     async def upload(self, request):
         n, reply, head = request.content_length, None, b""
-        if n is not None and INLINE_UPLOAD_BYTES < n <= self.max_body_bytes:
-            reply, head = await self._stream_upload(request, n)
-        if reply is None:  # small, or compressed (decoded whole)
-            reply = await self._upload_whole(request, head)
+        try:
+            if n is not None and INLINE_UPLOAD_BYTES < n <= self.max_body_bytes:
+                reply, head = await self._stream_upload(request, n)
+            if reply is None:  # small, or compressed (decoded whole)
+                reply = await self._upload_whole(request, head)
+        except (CoordinatorError, web.HTTPRequestEntityTooLarge) as e:
+            # (Not a stalled body again, nor a chunked one: no end known.)
+            if e.status != 408 and n is not None:
+                await self._discard_rest(request)
+            raise
         if reply.get("complete"):
             self._kick.set()
         return web.json_response(reply)
+
+    async def _discard_rest(self, request) -> None:
+        """Read what is left of a refused upload's body. Its client reads the answer once it
+        has sent the whole body, and aiohttp reads on for 10 s after answering, then closes
+        the connection: a body that took longer got a reset, not its refusal (the client
+        sent it again, and a superseded island never heard that it was)."""
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            while await asyncio.wait_for(request.content.readany(), BODY_IDLE_S):
+                pass
 
     async def _upload_whole(self, request, head: bytes) -> dict:
         """An upload read into a buffer of its own and then taken in; ``head``: its first

@@ -1134,6 +1134,52 @@ def test_an_upload_whose_client_goes_away_mid_body_ends_quietly_and_keeps_nothin
         srv.stop()
 
 
+@pytest.mark.parametrize(
+    "inline_bytes, max_body_mb, refusal",
+    [(0, None, f"HTTP/1.1 409 .*{wire.SUPERSEDED}"),
+     (INLINE_DEFAULT, 0.1, "HTTP/1.1 413 .*max_body_mb")],
+    ids=["superseded", "too large"],
+)  # fmt: skip
+def test_an_upload_refused_before_its_body_is_in_is_answered_however_long_the_body_takes(
+    tiny_config_path, tmp_path, monkeypatch, inline_bytes, max_body_mb, refusal
+):
+    # Refused from its head (here: from a superseded launch, or over the body limit), the
+    # answer was written at once, and aiohttp read on for lingering_time (10 s) before it
+    # closed the connection: a client still sending its body (a large one on a slow link)
+    # got a broken pipe, not the refusal, sent the body again, and a superseded island
+    # never learnt it was.
+    from aiohttp import web_protocol
+
+    monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
+    monkeypatch.setitem(web_protocol.RequestHandler.__init__.__kwdefaults__, "lingering_time", 0.3)
+    cfg = make_cfg(tiny_config_path, tmp_path / "state", islands=1, max_body_mb=max_body_mb)
+    srv = ServerThread(cfg)
+    try:
+        client = client_for(srv)
+        for _ in range(2):  # incarnation 2: uploads of incarnation 1 are refused
+            client.register("a", 1, srv.coord.plan.signature)
+        frag = srv.coord.plan.fragments[0]
+        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                              step=4, tokens=64, steps=4, incarnation=1)  # fmt: skip
+        body = wire.encode_upload(h, delta)
+        assert len(body) > srv.server.max_body_bytes or max_body_mb is None
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+                + b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+            )  # fmt: skip
+            piece = len(body) // 4 + 1
+            for i in range(0, len(body), piece):  # over 1 s, the lingering time 0.3 s
+                s.sendall(body[i : i + piece])
+                time.sleep(0.25)
+            answer = s.recv(4096).decode("latin-1")
+        assert re.match(refusal, answer, re.S), answer
+        assert CoordinatorClient(srv.url, TOKEN, retries=0).health()
+    finally:
+        srv.stop()
+
+
 def test_the_body_limit_by_default_is_the_largest_upload_a_valid_island_sends(
     tiny_config_path, tmp_path, caplog
 ):
