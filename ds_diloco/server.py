@@ -51,6 +51,10 @@ INLINE_UPLOAD_BYTES = 4 * 1024 * 1024
 BODY_IDLE_S = 60.0
 """An upload body that sends no byte for this long is refused (408) and its buffer freed:
 a client stalled half-way held its buffer, the size it declared, for ever."""
+SEND_IDLE_S = 60.0
+"""A download whose client takes none of the next slice (``_WRITE_SLICE``) for this long is
+cut off: a client that stopped reading (a stopped process, its connection open) held the
+download's handler, and what asyncio had not sent of its body, for ever."""
 """Uploads up to this size are taken in on the event loop, larger ones in the thread pool.
 Decoding, checking and copying a small body costs less than the hop to a worker thread
 and back (two thread wake-ups): on ``ds-diloco bench coordinator``'s round workload (2
@@ -481,14 +485,30 @@ class CoordinatorServer:
         resp = web.StreamResponse(headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = len(body)
+        loop = asyncio.get_running_loop()
+        taken_at = loop.time()  # when the client last took a slice
+
+        def watch():  # one timer per download (wait_for per write: a task each, ~20 us)
+            nonlocal timer
+            if (idle := loop.time() - taken_at) < SEND_IDLE_S:
+                timer = loop.call_later(SEND_IDLE_S - idle, watch)
+            elif request.transport is not None:
+                log.warning("fragment %d v%d: the client read nothing for %g s: cut off",
+                            fragment, version, SEND_IDLE_S)  # fmt: skip
+                request.transport.abort()  # drops what it holds of the body; the write fails
+
+        timer = loop.call_later(SEND_IDLE_S, watch)
         try:
             await resp.prepare(request)
             for chunk in _coalesce(body.parts):
                 await resp.write(chunk)
+                taken_at = loop.time()
             await resp.write_eof()
         except ConnectionError:  # (an island's downloader drops its long poll to ask anew)
             log.debug("fragment %d v%d: the client went away before its body was sent",
                       fragment, version)  # fmt: skip
+        finally:
+            timer.cancel()
         return resp
 
     # -------------------------------------------------------------- round loop

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import http.client
+import json
 import logging
 import math
 import random
@@ -1175,6 +1176,40 @@ def test_an_upload_refused_before_its_body_is_in_is_answered_however_long_the_bo
                 time.sleep(0.25)
             answer = s.recv(4096).decode("latin-1")
         assert re.match(refusal, answer, re.S), answer
+        assert CoordinatorClient(srv.url, TOKEN, retries=0).health()
+    finally:
+        srv.stop()
+
+
+def test_a_download_whose_client_stops_reading_is_cut_off(tmp_path, monkeypatch, caplog):
+    # A client that asked for a fragment and stopped reading (a stopped process, its
+    # connection open) held the download's handler, and what asyncio had not sent of the
+    # body (with Python >= 3.12 views of the version's values: their buffer), for ever.
+    # A fragment of 8 MiB: more than the socket buffers take.
+    from conftest import TINY_LLAMA
+
+    monkeypatch.setattr(server_mod, "SEND_IDLE_S", 0.3)
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "vocab_size": 32768}))
+    srv = ServerThread(make_cfg(str(path), tmp_path / "s", num_fragments=1))
+    try:
+        with caplog.at_level(logging.DEBUG), socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((srv.host, srv.port))
+            s.sendall(
+                f"GET /v1/fragments/0?world_size=1&rank=0 HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+            )
+            time.sleep(1.0)  # not reading
+            s.settimeout(3.0)
+            got = b""
+            while chunk := s.recv(1 << 20):  # what was sent, then the end (no time-out)
+                got += chunk
+        length = int(re.search(rb"Content-Length: (\d+)", got).group(1))
+        assert len(got) < length, (len(got), length)
+        assert "the client read nothing for 0.3 s: cut off" in caplog.text
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
         assert CoordinatorClient(srv.url, TOKEN, retries=0).health()
     finally:
         srv.stop()
