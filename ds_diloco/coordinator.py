@@ -238,6 +238,8 @@ class Coordinator:
 
         ``final``: no merge follows (shutdown), so unused reserved versions are released.
         """
+        with self._lock:
+            merges = self._merges_since_save
         written = 0
         for fs in self._frags:
             fs.lock.acquire_read()
@@ -252,6 +254,12 @@ class Coordinator:
             finally:
                 fs.lock.release_read()
         self._save_table()
+        # Counted down here, not by every table save: a registration's took the count back
+        # to 0, and with islands registering often, a run without durable merges never
+        # saved its fragments (a crash lost every merge since the start). Those made during
+        # this save count for the next one; a failed save counts none (the next merge tries).
+        with self._lock:
+            self._merges_since_save = max(self._merges_since_save - merges, 0)
         if final:
             with self._versions_lock:
                 self._reserved = self.versions()
@@ -282,7 +290,6 @@ class Coordinator:
                 "metrics": self.metrics.to_dict(),
                 "durable_merges": self.cfg.durable_merges,
             }
-            self._merges_since_save = 0
         self.store.write_json("coordinator.json", state)
 
     # ------------------------------------------------------------------ islands

@@ -1143,6 +1143,24 @@ def test_a_failed_merge_keeps_the_final_flush_of_an_island_that_left(tiny_config
     assert (st["a"]["merged"], st["a"]["dropped"]) == (1, 0)
 
 
+def test_registrations_do_not_put_off_the_periodic_save_of_the_fragments(
+    tiny_config_path, tmp_path
+):
+    # Without durable merges, fragments are saved every save_every_merges merges. Every save
+    # of the island table (each registration and leave) counted as one and started the
+    # count again: with islands registering often, the fragments were never saved.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy,
+                 durable_merges=False, save_every_merges=2)  # fmt: skip
+    coord.register("a", 1, coord.plan.signature)
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge
+    coord.register("b", 1, coord.plan.signature)  # the table is saved, not the fragments
+    send(coord, "a", 1, step=4)
+    assert coord.poll(1).merge and coord.versions() == [1, 1]
+    assert [coord.store.read_fragment(i)[0] for i in range(2)] == [1, 1]  # the 2nd merge saved
+
+
 def test_a_failed_periodic_save_after_a_merge_is_not_a_failed_merge(tiny_config_path, tmp_path):
     # The merge is served when the periodic save runs: its failure is logged, the merge
     # stands (no failure counted, no exception for the round loop to log as a failed
