@@ -48,13 +48,6 @@ slice (the 125M Llama, 8 downloads from readers at 32 MB/s each: +177 MiB of RSS
 472 MiB served; a 7B model's MLP slices are 180 MB each, per download)."""
 _KEEP_BUFFER_BYTES = 512 * 1024 * 1024  # upload buffers kept for reuse, at most
 INLINE_UPLOAD_BYTES = 4 * 1024 * 1024
-BODY_IDLE_S = 60.0
-"""An upload body that sends no byte for this long is refused (408) and its buffer freed:
-a client stalled half-way held its buffer, the size it declared, for ever."""
-SEND_IDLE_S = 60.0
-"""A download whose client takes none of the next slice (``_WRITE_SLICE``) for this long is
-cut off: a client that stopped reading (a stopped process, its connection open) held the
-download's handler, and what asyncio had not sent of its body, for ever."""
 """Uploads up to this size are taken in on the event loop, larger ones in the thread pool.
 Decoding, checking and copying a small body costs less than the hop to a worker thread
 and back (two thread wake-ups): on ``ds-diloco bench coordinator``'s round workload (2
@@ -63,6 +56,13 @@ of 200 rounds took 10.3-11.2 ms of coordinator CPU a round with every upload in 
 and 9.4-10.2 ms with these on the loop (wall time per round 15.5-16.6 and 13.7-15.5 ms).
 A 4 MiB body holds the loop for about a millisecond (decode, check for NaN, squared
 norms, copy into its row)."""
+BODY_IDLE_S = 60.0
+"""An upload body that sends no byte for this long is refused (408) and its buffer freed:
+a client stalled half-way held its buffer, the size it declared, for ever."""
+SEND_IDLE_S = 60.0
+"""A download whose client takes none of the next slice (``_WRITE_SLICE``) for this long is
+cut off: a client that stopped reading (a stopped process, its connection open) held the
+download's handler, and what asyncio had not sent of its body, for ever."""
 
 
 def _coalesce(parts, small: int = _SMALL_WRITE, most: int = _WRITE_SLICE):
