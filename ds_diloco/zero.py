@@ -80,15 +80,29 @@ def prepare_cpu_accelerate() -> None:
     With DeepSpeed and no CUDA, accelerate (and so the HF Trainer) chooses no process
     group backend and then counts one process, whatever the launcher started. This
     sets its shared state up first, DeepSpeed on gloo over all ranks; the Trainer then
-    needs ``accelerator_config={"use_configured_state": True}``. No-op with CUDA.
+    needs ``accelerator_config={"use_configured_state": True}``. Started without a
+    launcher (``python script.py``), a world of 1, as :func:`init_distributed`. No-op with CUDA.
     """
     if not on_cpu():
         return
     prepare_cpu()
+    if not any(k in os.environ for k in _MPI_WORLD):  # else accelerate reads mpirun's
+        _world_of_one()  # `python script.py`: accelerate made no group, torch raised
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
+
+
+_MPI_WORLD = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _world_of_one() -> None:
+    """A single process started without a launcher: the variables of a world of 1 (without
+    them DeepSpeed tries MPI, and accelerate makes no process group)."""
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):  # fmt: skip
+        os.environ.setdefault(k, v)
 
 
 def init_distributed() -> tuple[int, int]:
@@ -96,9 +110,7 @@ def init_distributed() -> tuple[int, int]:
     prepare_cpu()
     import deepspeed
 
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):  # fmt: skip
-        os.environ.setdefault(k, v)  # a single process without a launcher: world of 1
+    _world_of_one()
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

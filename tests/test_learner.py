@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from ds_diloco.hf_callback import DiLoCoCallback
 from ds_diloco.learner import Learner, LearnerError, zero_stage
+from ds_diloco.run import free_port
 
 
 def test_a_model_that_is_not_a_deepspeed_engine_is_refused_by_type():
@@ -170,3 +174,21 @@ def test_the_callbacks_micro_batches_keep_the_islands_lease():
     cb.learner = SimpleNamespace(syncer=SimpleNamespace(alive=lambda: alive.append(1)))
     cb.on_substep_end(None, None, None)
     assert alive == [1]
+
+
+def test_accelerate_on_cpu_without_a_launcher_is_a_world_of_one():
+    # `python examples/hf_trainer.py`: accelerate made no process group and torch raised
+    # "Default process group has not been initialized" from inside PartialState.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env.update(DS_ACCELERATOR="cpu", DS_DILOCO_TEST_PORT=str(free_port()))
+    script = (
+        "import os; os.environ['MASTER_PORT'] = os.environ['DS_DILOCO_TEST_PORT']\n"
+        "from ds_diloco import zero\n"
+        "zero.prepare_cpu_accelerate()\n"
+        "from accelerate import PartialState\n"
+        "print('processes', PartialState().num_processes)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "processes 1" in proc.stdout, proc.stderr[-2000:]
