@@ -8,6 +8,9 @@ engine joins a run) and :class:`DiLoCoCallback` (the same for the Hugging Face
 Trainer). Both are imported on first use, so ``import ds_diloco`` stays light.
 """
 
+import importlib
+import importlib.util
+
 __version__ = "0.1.0"
 __all__ = ["DiLoCoCallback", "Diverged", "Learner", "LearnerError", "Superseded"]
 
@@ -29,4 +32,8 @@ def __getattr__(name: str):
         from ds_diloco.hf_callback import DiLoCoCallback
 
         return DiLoCoCallback
+    # A module as the README names it after `import ds_diloco` (ds_diloco.zero.prepare_cpu_accelerate,
+    # ds_diloco.stall_exit.StallExit): an AttributeError unless something had imported it.
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'ds_diloco' has no attribute {name!r}")

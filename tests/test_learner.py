@@ -192,3 +192,19 @@ def test_accelerate_on_cpu_without_a_launcher_is_a_world_of_one():
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "processes 1" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_modules_the_readme_names_are_reached_from_import_ds_diloco():
+    # README: `ds_diloco.zero.prepare_cpu_accelerate()`, `ds_diloco.stall_exit.StallExit(600)`;
+    # after a bare `import ds_diloco` both raised AttributeError (a fresh interpreter: here
+    # the test's own imports have loaded them).
+    script = (
+        "import ds_diloco\n"
+        "print(ds_diloco.zero.prepare_cpu_accelerate.__name__, ds_diloco.stall_exit.StallExit.__name__)\n"
+        "try:\n    ds_diloco.no_such_module\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prepare_cpu_accelerate StallExit" in proc.stdout, proc.stdout
+    assert "has no attribute 'no_such_module'" in proc.stdout, proc.stdout
