@@ -107,6 +107,18 @@ class DiLoCoCallback(TrainerCallback):
                 "TrainingArguments(deepspeed=CONFIG) with zero_optimization.stage 3, or "
                 "`accelerate launch --use_deepspeed --zero_stage 3`"
             )
+        # On CPU a Trainer without use_configured_state set accelerate's state up again with
+        # no process group backend: each rank counted one process and took itself for the
+        # main one (the same batches on every rank, or a gloo error in the token count's
+        # gather), once the island had joined the run.
+        world = zero.rank_and_world()[1] if zero.initialized() else None
+        counted = getattr(args, "world_size", world)
+        if world is not None and counted != world:
+            raise LearnerError(
+                f"the Trainer counts {counted} process(es), the process group has {world}: "
+                "on CPU call ds_diloco.zero.prepare_cpu_accelerate() before TrainingArguments and "
+                'pass TrainingArguments(accelerator_config={"use_configured_state": True})'
+            )
         self.learner = Learner(
             engine, self.coordinator, self.island, token=self.token, alpha=self.alpha,
             keep_local_steps=self.keep_local_steps, connect_timeout_s=self.connect_timeout_s,

@@ -208,3 +208,18 @@ def test_the_modules_the_readme_names_are_reached_from_import_ds_diloco():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prepare_cpu_accelerate StallExit" in proc.stdout, proc.stdout
     assert "has no attribute 'no_such_module'" in proc.stdout, proc.stdout
+
+
+def test_the_callback_refuses_a_trainer_that_counts_another_number_of_processes(monkeypatch):
+    # On CPU without use_configured_state the Trainer counted 1 process on each of 2 ranks:
+    # both read the same batches as "main process", or its token gather failed in gloo
+    # ("invalid output tensor list"), after the island had joined the run.
+    from ds_diloco import hf_callback
+
+    monkeypatch.setattr(hf_callback.zero, "initialized", lambda: True)
+    monkeypatch.setattr(hf_callback.zero, "rank_and_world", lambda: (0, 2))
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
+    with pytest.raises(LearnerError, match=r"counts 1 process\(es\), the process group has 2"):
+        cb.on_train_begin(args(world_size=1), None, None, model=torch.nn.Linear(2, 2),
+                          optimizer=_optimizer("zero3"))  # fmt: skip
+    assert cb.learner is None
