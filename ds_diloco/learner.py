@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -139,6 +140,7 @@ class Learner:
 
         if zero.initialized():
             self._all(need_token)
+            self._same_island_everywhere(island)
         else:
             need_token()
         self.rank, self.world_size = zero.rank_and_world()
@@ -188,6 +190,18 @@ class Learner:
         # normal path (on every rank, so no collective is left half-way).
         self._exit_state = {"alone": self.world_size == 1, "closed": False}
         atexit.register(_at_exit, weakref.ref(self), self._exit_state)
+
+    @staticmethod
+    def _same_island_everywhere(island: str) -> None:
+        """Every rank names the same island. A rank with another name (``island=`` a host
+        name, on an island of two nodes) sent its shards as an island of their own: no
+        upload of either was ever whole, nothing merged, and no error said so."""
+        digest = int.from_bytes(hashlib.sha256(island.encode()).digest()[:7], "big")
+        if len({row[0] for row in zero.island_gather([digest])}) > 1:  # the same on every rank
+            raise LearnerError(
+                f"island {island!r}: the ranks of this process group name different islands; "
+                "every rank of an island passes the same island="
+            )
 
     def _reach(self, probe: CoordinatorClient, timeout_s: float) -> dict:
         """The run's plan, retrying an unreachable coordinator for ``timeout_s``."""

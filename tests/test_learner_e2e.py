@@ -379,3 +379,19 @@ def test_an_island_that_cannot_reach_its_coordinator_says_so_in_one_line(
         proc
     )
     assert "Traceback" not in proc.stderr, output(proc)
+
+
+def test_ranks_that_name_different_islands_are_refused_on_every_rank(
+    coordinator, tiny_config_path, tmp_path
+):
+    # island= a host name on an island of two nodes: each rank sent its shards as an island
+    # of its own, no upload was ever whole, nothing merged, and the run ended with exit 0.
+    script = tmp_path / "named_by_rank.py"
+    script.write_text(
+        CRASHING_LOOP.replace('"crash")', '"crash" + str(torch.distributed.get_rank()))')
+    )
+    proc = deepspeed_launch(script, 2, [tiny_config_path, str(DS_CPU), coordinator.url])
+    assert proc.returncode != 0, output(proc)
+    err = proc.stdout + proc.stderr
+    assert err.count("the ranks of this process group name different islands") >= 2, output(proc)
+    assert not coordinator.coord.status()["islands"], coordinator.coord.status()["islands"]
