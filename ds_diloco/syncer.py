@@ -1341,16 +1341,22 @@ class FragmentSyncer:
         the global model each try once more, at most ``GONE_RETRY_S``, rather than with
         their full waits (flush, leave and take_global one after the other took 193 s
         through the HF callback, which promised 120; 272 s with a coordinator that hung)."""
-        if flush:  # leaving for good: the coordinator merges the flush with the next rounds
-            self.flush(flush_timeout_s, final=leave)
         once = self.client.with_limits(timeout_s=GONE_RETRY_S)
         try:
-            # Asked now when it matters (after an error: neither, no probe), else the last
-            # request's outcome.
-            ask = leave or take_global
-            gone = not _answers(once) if ask else self.client.unreachable
-            if take_global:  # the same waits on every rank (no collective otherwise: after
-                gone = self._agree([int(gone)])[1][0] == 1  # an error not all ranks are here)
+            try:
+                if flush:  # leaving for good: the coordinator merges it with the next rounds
+                    self.flush(flush_timeout_s, final=leave)
+                # Asked now when it matters (after an error: neither, no probe), else the last
+                # request's outcome.
+                ask = leave or take_global
+                gone = not _answers(once) if ask else self.client.unreachable
+                if take_global:  # the same waits on every rank (no collective otherwise:
+                    gone = self._agree([int(gone)])[1][0] == 1  # after an error not all are here)
+            except BaseException:
+                # A collective failed (a rank gone): the threads stop here or never, since
+                # Learner.close counts as done and its exit hook then leaves them running.
+                self.close(timeout=0.0)
+                raise
             self.close(timeout=0.0 if gone else 30.0)  # queued uploads would only time out
             if leave and self.rank == 0:
                 self.leave(once if gone else None)

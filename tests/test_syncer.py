@@ -596,6 +596,27 @@ def test_finishing_with_a_coordinator_that_hangs_tries_it_once_more(
             assert time.monotonic() - t0 < 2.0 + 10.0
 
 
+def test_a_finish_whose_flush_fails_in_the_agreement_stops_the_transport_threads(
+    tiny_config_path, tmp_path
+):
+    # A peer rank gone during the flush: its agreement raises. Learner.close counts as done
+    # all the same, so its exit hook does not close the syncer: the threads ran on, to the
+    # interpreter's teardown (found by review).
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "a", model_from(tiny_config_path, 0), 1)
+        s.bootstrap()
+        train(s, range(1, 4))
+
+        def agree(values):
+            raise ConnectionError("agreement: rank 1 closed its socket (it stopped)")
+
+        s.agree = agree
+        with pytest.raises(ConnectionError, match="rank 1 closed"):
+            s.finish(leave=True, take_global=False, flush=True, flush_timeout_s=2.0)
+        assert not any(t.is_alive() for t in s._threads)
+
+
 def test_an_island_whose_training_went_silent_lets_its_lease_lapse(
     tiny_config_path, tmp_path, monkeypatch
 ):
