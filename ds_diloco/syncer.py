@@ -449,7 +449,8 @@ class FragmentSyncer:
         Blocking, and only while the network thread is not running (before training,
         or after :meth:`close`). A merge between two ranks' downloads gives them
         different versions; the ones behind download again. Gives up after ``attempts``
-        or ``timeout_s`` (every rank at the same attempt), saying why.
+        or ``timeout_s`` (every rank at the same attempt), saying why, with the trained
+        values as they were: none is written before every fragment's version is agreed.
         """
         # Decided by the whole island: raised on one rank only, the others would wait for
         # it in the agreement below. Only the downloader writes bases.
@@ -458,10 +459,14 @@ class FragmentSyncer:
             raise RuntimeError("take_global() while a rank's downloader still runs: close() first")
         todo = list(self.plan.fragments)
         deadline, self._fetch_error = time.monotonic() + timeout_s, ""
+        agreed: list[Fragment] = []
         for _ in range(attempts):
-            # A fragment at a time, agreed and applied before the next is fetched: its
-            # frozen slices come into buffers of their own, let go at the apply, so at most
-            # one fragment's are held (all of them at once were a whole shard's worth).
+            # A fragment at a time, agreed before the next is fetched: its frozen slices
+            # come into buffers of their own, written and let go once agreed, so at most one
+            # fragment's are held (all of them at once were a whole shard's worth). The
+            # trained slices wait in the bases until every fragment is agreed: applied as
+            # they were agreed, a give-up half-way (the coordinator gone, the deadline) left
+            # a model half global, half the island's own (saved as the island's at close).
             retry, over = [], 0
             for f in todo:  # each download retries a while: one past the deadline is not begun
                 slot = self.slots[f.index]
@@ -470,13 +475,22 @@ class FragmentSyncer:
                 lows, highs, _ = self._agree([slot.version, int(time.monotonic() >= deadline)])
                 over |= highs[1]  # the same on every rank
                 if lows[0] == highs[0] >= 0:
-                    self._apply(f, slot, blend=False)
+                    for name, values in slot.incoming.items():  # frozen: none of the island's
+                        self.access.write(name, values)
+                    slot.incoming = {}  # written: the apply leaves them as they are
+                    agreed.append(f)
                 else:
                     slot.incoming = {}  # fetched again whole
                     retry.append(f)
-            self._flush()
             if not retry:
+                for f in agreed:  # on a GPU, each from a device copy: made now where the
+                    slot = self.slots[f.index]  # download found every buffer taken
+                    if f.index not in self._prefetch.held:
+                        self._prefetch.copy(f.index, _received(slot), slot.version)
+                    self._apply(f, slot, blend=False)
+                self._flush()
                 return self.versions()
+            self._flush()
             todo = retry
             if over:
                 break

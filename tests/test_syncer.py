@@ -542,6 +542,53 @@ def test_taking_the_global_model_from_a_coordinator_that_is_gone_gives_up_saying
     assert time.monotonic() - t0 < 15.0  # one attempt: a download each, with its retries
 
 
+class _StopsAfterFragment0(CoordinatorClient):
+    """A real client; once given its server, it stops that server right after downloading
+    fragment 0 from it."""
+
+    srv: ServerThread | None = None
+    stopped = False
+
+    def download_into(self, fragment, *args, **kw):
+        version = super().download_into(fragment, *args, **kw)
+        if self.srv is not None and fragment == 0:
+            self.close()  # its keep-alive connection first: the server's stop waits for it
+            self.srv.stop()
+            self.srv, self.stopped = None, True
+        return version
+
+
+def test_a_take_global_that_gives_up_half_way_leaves_the_trained_values_as_they_were(
+    tiny_config_path, tmp_path
+):
+    # The coordinator goes away between the downloads of fragments 0 and 1 of close's
+    # take_global. It raised, "the local model intact", with fragment 0 already applied:
+    # half global, half the island's own, which the HF callback left to be saved as the
+    # island's own weights (found by review).
+    srv = ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1))
+    client = _StopsAfterFragment0(srv.url, "t", retries=0)
+    try:
+        model = model_from(tiny_config_path, 0)
+        (s,) = island_syncers(srv, client, "a", model, 1)
+        s.bootstrap()
+        train(s, range(1, 5))  # fragment 0 applied at step 3, then trained a step
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+        glob = srv.coord.global_tensors()
+        assert not all(torch.equal(local[n], glob[n]) for n in s.plan.fragments[0].names)
+        versions = s.versions()
+        client.srv = srv
+        with pytest.raises(
+            RuntimeError, match=r"could not take the global model \(fragments \[1\]"
+        ):
+            s.finish(leave=False, take_global=True, flush=False)
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), local[n])]
+        assert not changed, changed[:3]
+        assert s.versions() == versions
+    finally:
+        if not client.stopped:
+            srv.stop()
+
+
 def test_finishing_with_a_coordinator_gone_tries_it_once_more_not_for_every_wait(
     tiny_config_path, tmp_path
 ):
@@ -1364,9 +1411,9 @@ def test_merged_fragments_copied_ahead_to_the_device_are_bounded_and_applied_exa
         client = CoordinatorClient(srv.url, "t", retries=0)
         model = model_from(tiny_config_path, seed=3)  # not the global values
         (s,) = island_syncers(srv, client, "isl", model, 1)
-        s.bootstrap()  # fetches and applies one fragment at a time: each from its copy
+        s.bootstrap()  # fetches every fragment, then applies them: each from its copy
         assert (s.stats.applied, s.stats.prefetched) == (4, 4)
-        assert s._prefetch.buffers == len(s._prefetch.free) == 1
+        assert s._prefetch.buffers == len(s._prefetch.free) == device_copies.PREFETCH_BUFFERS
         # Three merged fragments waiting at once: the third is not copied (it is applied
         # from the host copy), the buffers stay at PREFETCH_BUFFERS.
         for slot, frag in zip(s.slots[:3], s.plan.fragments):
