@@ -1076,6 +1076,12 @@ class FragmentSyncer:
     def _download_loop(self) -> None:
         last_contact = time.monotonic()
         idle_logged = False
+        # After a download that came bad or cut short, or a long poll that failed: a wait
+        # before the next, doubling (up to HEARTBEAT_S) while they keep failing. Fetched again
+        # at once, an answer bad every time (a global that overflowed, a broken proxy) was
+        # downloaded whole and logged as an error hundreds of times a second, by every rank
+        # of every island.
+        bad_wait = 0.0
         while not self._stop.is_set():
             self._wake.clear()  # a change from here on ends the waits below
             idle = time.monotonic() - self._active_t
@@ -1099,6 +1105,7 @@ class FragmentSyncer:
                 self._wake.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - last_contact)))
                 continue
             last_contact = time.monotonic()
+            errors = self.stats.bad_responses + self.stats.failed
             # Only fragments we wait for may end the long poll: another island's merge of
             # a fragment we are not waiting for must not wake us (that would spin).
             try:  # answers at once with the first fragment we wait for that is newer
@@ -1108,8 +1115,14 @@ class FragmentSyncer:
                     break
                 self.stats.failed += 1
                 log.warning("%s/%d long poll for fragments: %s", self.island, self.rank, e)
-                self._stop.wait(self.poll_s)
+                bad_wait = min(max(2 * bad_wait, self.poll_s), HEARTBEAT_S)  # a 5xx each time:
+                self._stop.wait(bad_wait)  # asked again (and logged) every poll_s, otherwise
                 continue
+            if self.stats.bad_responses + self.stats.failed > errors:  # one came torn
+                bad_wait = min(max(2 * bad_wait, self.poll_s), HEARTBEAT_S)
+                self._stop.wait(bad_wait)
+            else:
+                bad_wait = 0.0
             if current is None:  # one came (or was dropped): ask again, for the next
                 continue
             # None newer: only a version older than ours is left to take.
