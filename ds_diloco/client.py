@@ -232,6 +232,11 @@ class CoordinatorClient:
                 if not reused:
                     conn.connect()  # a connect that times out is retried like a refused one
                     connected = True
+                    # interrupt() while it connected found no socket to shut down: nothing
+                    # is sent now (close() may have let a download write an upload's body).
+                    with self._conns_lock:
+                        if threading.current_thread() in self._interrupted:
+                            raise Interrupted("request interrupted while it connected")
                 self._send(conn, method, target, headers, body)
                 sent = True
                 if release:

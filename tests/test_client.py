@@ -10,6 +10,7 @@ not a malformed body.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
@@ -206,6 +207,58 @@ def test_interrupt_stops_one_threads_request_at_once_and_not_the_others():
         assert isinstance(out["idle"], Interrupted) and len(srv.paths) == 3, out
     finally:
         srv.close()
+
+
+def test_a_request_interrupted_while_it_connects_is_not_sent_once_connected():
+    # A coordinator that does not take connections (its accept queue full: a frozen
+    # process, a host gone): the connect waits, and interrupt() finds no socket to shut
+    # down. syncer.close() gives up on the upload thread then, and lets the next downloads
+    # write the base that the upload's body aliases; connected later, the thread sent that
+    # body all the same: global values as a pseudo-gradient (found by review).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # the accept queue is full: the next connect waits (SYNs dropped)
+        f = socket.socket()
+        f.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            f.connect(("127.0.0.1", port))
+        fillers.append(f)
+    c = CoordinatorClient(f"http://127.0.0.1:{port}", "t", retries=0, timeout_s=20.0)
+    out: dict = {}
+
+    def ask():
+        try:
+            out["reply"] = c.health()
+        except Exception as e:
+            out["reply"] = e
+
+    t = threading.Thread(target=ask)
+    got = b""
+    try:
+        time.sleep(0.2)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()  # connecting
+        c.interrupt(t)
+        listener.settimeout(0.5)
+        deadline = time.monotonic() + 15.0
+        while t.is_alive() and time.monotonic() < deadline:  # until its SYN, resent, is in
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                conn.settimeout(0.5)
+                with contextlib.suppress(TimeoutError):
+                    got += conn.recv(1024)
+                conn.close()
+        t.join(timeout=10)
+        assert isinstance(out["reply"], Interrupted), out
+        assert got == b"", got[:40]
+    finally:
+        for f in fillers:
+            f.close()
+        listener.close()
 
 
 def test_refusals_and_failures_carry_the_servers_message():
