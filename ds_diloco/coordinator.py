@@ -643,6 +643,7 @@ class Coordinator:
                 isl.last_seen = now
                 if h.final:  # done training: no round waits for it, its results are not needed
                     isl.finishing = True
+                    self._finishing_contributions(h.island)
                 if h.step > isl.last_step:
                     if isl.last_step_at is not None and isl.last_step > 0:
                         isl.step_time.update((now - isl.last_step_at) / (h.step - isl.last_step))
@@ -703,6 +704,7 @@ class Coordinator:
                         return self._reply("dropped", fs, outlier)
                     fs.recent_norms.append(per_step)  # the window's oldest falls out
                     cur.complete_at = now
+                    cur.final = cur.final or isl.finishing  # sent before its final flush began
                     old = fs.complete.pop(h.island, None)
                     if old is not None:  # the island's newer pseudo-gradient replaces its older one
                         fs.give_row(old.row)
@@ -711,6 +713,17 @@ class Coordinator:
                 return self._reply("accepted", fs, why, complete=complete, weight=weight)
             finally:
                 fs.leave(ing.landing, h.rank)
+
+    def _finishing_contributions(self, island: str) -> None:
+        """``island``'s contributions waiting in rounds count as its final flush once that
+        began (``_lock`` held). The flush does not send a fragment again for a step already
+        sent (a replay), so the upload of its last step went out without the flag; it
+        closed its round alone once the island counted as finishing, and another island's
+        upload for that round came stale."""
+        for fs in self._frags:
+            c = fs.complete.get(island)
+            if c is not None:
+                c.final = True
 
     def _copy_part(self, fs: FragmentState, h: wire.UploadHeader, ing: Ingest, row) -> None:
         """This rank's slices from where they were read into ``row``."""

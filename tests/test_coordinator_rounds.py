@@ -421,6 +421,36 @@ def test_an_island_that_leaves_never_holds_a_round_and_may_come_back(tiny_config
     assert coord.status()["islands"]["c"]["registrations"] == 2
 
 
+def test_an_upload_sent_before_an_islands_final_flush_waits_like_the_flush(
+    tiny_config_path, tmp_path
+):
+    """The flush does not send a fragment again for a step already sent (a replay): the
+    upload of an island's last step goes out without the final flag. Once the island
+    finished, it closed its round alone, and the other island's upload for that round
+    came stale; it now waits for that upload, as the flush does."""
+    clock = Clock()
+    coord = make(
+        tiny_config_path, tmp_path / "s", clock,
+        policy=PolicyOptions(min_quorum=2, grace_gamma=0.5, max_grace_s=10.0, tau=1),
+        island_timeout_s=100.0,
+    )  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    assert send(coord, "a", 1, step=4)["status"] == "accepted"  # its last step's send
+    assert not coord.poll(1).merge  # K = 2: waits for b
+    assert send(coord, "a", 0, step=4, final=1)["status"] == "accepted"  # the final flush
+    d = coord.poll(1)
+    assert not d.merge and "only final contributions (1)" in d.reason, d.reason
+    coord.leave("a")  # it stays, as the flush does
+    clock.now += 1.0
+    assert send(coord, "b", 1, step=2)["status"] == "accepted"  # base version 0: not stale
+    d = coord.poll(1)
+    assert d.merge and "all 1 live islands in + 1 final" in d.reason, d.reason
+    assert coord._frags[1].merged_by.keys() == {"a", "b"}
+    st = coord.status()["islands"]
+    assert (st["a"]["dropped"], st["b"]["dropped"]) == (0, 0)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_final_flush_waits_for_the_next_round_and_outlives_its_islands_leave(
     tiny_config_path, tmp_path, k
