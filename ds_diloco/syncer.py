@@ -374,6 +374,9 @@ class FragmentSyncer:
         self._said_no_tokens = False  # the warning of an upload with no tokens, once
         self._fetch_error = ""  # the last download that failed, and why (take_global's error)
         self._train_thread: int | None = None  # set once training starts
+        # A transport thread that died of an error (a fault of ours, not the network's,
+        # which they ride out): the island would train on without syncing, and say nothing.
+        self._died: str | None = None
         self._threads = [
             threading.Thread(target=fn, name=f"{fn.__name__}-{island}-{rank}", daemon=True)
             for fn in (self._uploader, self._downloader)
@@ -531,6 +534,8 @@ class FragmentSyncer:
         the only wait is the island's small agreement collective, and only at steps
         where a result is due or a fragment is sent (the same steps on every rank).
         """
+        if self._died is not None:  # this rank stops; its launcher stops the island's others
+            raise RuntimeError(f"{self.island}/{self.rank} no longer syncs: {self._died}")
         self._last_step = step
         self.alive()
         now = time.perf_counter()
@@ -981,6 +986,9 @@ class FragmentSyncer:
         _lower_thread_priority(BACKGROUND_NICE)
         try:
             self._upload_loop()
+        except BaseException as e:
+            self._died = f"the upload thread died: {type(e).__name__}: {e}"
+            raise  # (its traceback: threading's excepthook)
         finally:
             self._count_thread_cpu()
 
@@ -1070,6 +1078,9 @@ class FragmentSyncer:
         _lower_thread_priority(BACKGROUND_NICE)
         try:
             self._download_loop()
+        except BaseException as e:
+            self._died = f"the download thread died: {type(e).__name__}: {e}"
+            raise
         finally:
             self._count_thread_cpu()
 

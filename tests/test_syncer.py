@@ -376,6 +376,35 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     s.close(timeout=5)
 
 
+@pytest.mark.parametrize("thread", ["upload", "download"])
+def test_a_transport_thread_that_dies_of_an_error_stops_training(
+    tiny_config_path, tmp_path, monkeypatch, thread
+):
+    # A fault in a transport thread (not the network's: those are ridden out) killed it,
+    # and the island trained on without syncing, saying nothing but a stack on stderr.
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, tau=1), token="t",
+    )  # fmt: skip
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        (s,) = island_syncers(srv, client, "isl", model_from(tiny_config_path, seed=0), 1)
+        s.bootstrap()
+
+        def fault(*a, **kw):
+            raise KeyError("a fault")
+
+        name = "_encode" if thread == "upload" else "_wanted"
+        monkeypatch.setattr(s, name, fault)
+        monkeypatch.setattr(threading, "excepthook", lambda args: None)  # its stack: not here
+        with pytest.raises(RuntimeError, match=f"isl/0 no longer syncs: the {thread} thread "
+                           "died: KeyError: 'a fault'"):  # fmt: skip
+            for step in range(1, 200):
+                s.on_step(step, tokens=10)
+                time.sleep(0.02)
+        s.close(timeout=5)
+
+
 def test_the_transport_threads_sleep_until_there_is_work_and_then_start_at_once(
     tiny_config_path, tmp_path, monkeypatch
 ):
