@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -315,7 +316,10 @@ class FragmentSyncer:
         # rank: one more fp32 copy of the shard in all (half of one with the codec's
         # residual: bfloat16), allocated as fragments are sent.
         lossy = codec is not None and codec.name != "none"
-        self.feedback = compress.ErrorFeedback(codec, seed=rank) if lossy else None
+        # Seeded by island and rank: by rank alone, rank r of every island drew the same
+        # stochastic roundings, whose errors then did not average out in the merge.
+        seed = int.from_bytes(hashlib.sha256(f"{island}/{rank}".encode()).digest()[:7], "big")
+        self.feedback = compress.ErrorFeedback(codec, seed=seed) if lossy else None
         # Per fragment, the slices this rank does not train: their local values are the
         # global ones it applied last (an upload leaves them out), so they take no base
         # memory and a download may leave out unchanged ones.

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ds_diloco import device_copies, wire
+from ds_diloco import compress, device_copies, wire
 from ds_diloco import server as server_mod
 from ds_diloco import syncer as syncer_mod
 from ds_diloco.chaos.proxy import ChaosProxy
@@ -374,6 +374,28 @@ def test_training_goes_on_while_the_coordinator_is_unreachable(tiny_config_path,
     assert time.perf_counter() - t0 < 1.0, "on_step must never wait for the network"
     wait_for(lambda: s.stats.failed >= 1)
     s.close(timeout=5)
+
+
+def test_islands_draw_their_stochastic_roundings_apart(tiny_config_path, tmp_path):
+    # Seeded by rank alone, rank 0 of every island rounded the same values the same way:
+    # errors that did not average out across islands in a merge.
+    cfg = CoordinatorConfig(
+        model=ModelSource(config=tiny_config_path, seed=0), state_dir=str(tmp_path / "s"),
+        num_fragments=2, sync_every=2, policy=PolicyOptions(min_quorum=1, tau=1), token="t",
+    )  # fmt: skip
+    codec = compress.Codec.from_name("int4", rounding="stochastic")
+    with ServerThread(cfg) as srv:
+        client = CoordinatorClient(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, seed=0)
+        feedback = [
+            island_syncers(srv, client, name, model, 2, codec=codec)[rank].feedback
+            for name, rank in (("a", 0), ("b", 0), ("a", 1))
+        ]
+        delta = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-3
+        codes = [f.compress("k", delta.clone()).payload for f in feedback]
+        assert not torch.equal(codes[0], codes[1]) and not torch.equal(codes[0], codes[2])
+        again = compress.ErrorFeedback(codec, seed=feedback[0].seed)  # a seed: the same draws
+        assert torch.equal(codes[0], again.compress("k", delta.clone()).payload)
 
 
 @pytest.mark.parametrize("thread", ["upload", "download"])
