@@ -351,7 +351,12 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
         tags = sorted(
             (p for p in directory.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:])
         )
-        for old in tags[:-keep]:
+        # Later steps than this one are of a walk the island went back from (a resized
+        # launch whose conversion failed starts over at step 0): kept, they outranked this
+        # checkpoint, which was removed as soon as written, and `latest` named nothing (every
+        # restart and --resume failed until the island reached those steps again).
+        later = [p for p in tags if int(p.name[4:]) > step]
+        for old in later + [p for p in tags if p not in later][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(directory / UNIVERSAL, ignore_errors=True)  # older than this one now
     torch.distributed.barrier()

@@ -408,6 +408,24 @@ def test_a_checkpoint_pointer_naming_no_checkpoint_is_refused_with_its_path(tmp_
         zero.load_checkpoint(None, tmp_path)
 
 
+def test_a_checkpoint_of_an_island_gone_back_to_an_earlier_step_is_kept(tmp_path, monkeypatch):
+    # A resized island whose conversion failed starts over at step 0 beside its checkpoints
+    # of steps 4 and 6. Pruned by step number, its step-2 checkpoint was removed as soon as
+    # written and `latest` named nothing: every restart and --resume failed.
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: None)
+
+    class Engine:  # writes rank 0's files, as DeepSpeed does
+        def save_checkpoint(self, directory, tag, client_state, save_latest):
+            (Path(directory) / tag).mkdir(parents=True, exist_ok=True)
+            (Path(directory) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
+
+    for step in (4, 6, 2, 3):
+        zero.save_checkpoint(Engine(), tmp_path, step, {"step": step})
+        assert (tmp_path / zero.latest_tag(tmp_path)).is_dir(), zero.latest_tag(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step2", "step3"]
+
+
 def test_torch_compile_in_the_block_waits_for_the_first_call():
     # What build_engine imports DeepSpeed's Muon optimizer under: its torch.compile at import
     # must not load inductor (seconds of every rank's start-up), and must still compile and
