@@ -401,12 +401,49 @@ def load_checkpoint(
             "start the island afresh, or point the file at a complete step* folder"
         )
     written_by = checkpoint_world_size(directory / tag)
+    configured = _hyperparameters(engine)
     if written_by is not None and written_by != engine.dp_world_size:
-        return _load_resized(engine, directory, tag, written_by, convert_timeout_s)
-    path, client_state = engine.load_checkpoint(str(directory), tag=tag)
-    if path is None:
-        raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
-    return _resume_point(client_state)
+        resumed = _load_resized(engine, directory, tag, written_by, convert_timeout_s)
+    else:
+        path, client_state = engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
+        resumed = _resume_point(client_state)
+    _keep_hyperparameters(engine, configured)
+    return resumed
+
+
+def _hyperparameters(engine) -> tuple[list[float], list[float]]:
+    """The inner optimizer's base learning rate and weight decay of each group, as the
+    engine was built (the run's ``train.lr`` and ``train.weight_decay``)."""
+    groups, scheduler = engine.optimizer.param_groups, engine.lr_scheduler
+    base = list(scheduler.base_lrs) if scheduler is not None else [g["lr"] for g in groups]
+    return base, [g["weight_decay"] for g in groups]
+
+
+def _keep_hyperparameters(engine, configured: tuple[list[float], list[float]]) -> None:
+    """Put back the run's learning rate and weight decay after a checkpoint was loaded:
+    DeepSpeed restores the optimizer's groups and the schedule's base rates as saved, so a
+    run resumed with another ``train.lr`` or ``train.weight_decay`` trained on with the old
+    ones, silently. The schedule's position (its step) stays the checkpoint's."""
+    (base, decays), scheduler = configured, engine.lr_scheduler
+    groups = engine.optimizer.param_groups
+    saved = _hyperparameters(engine)
+    if saved == configured:
+        return
+    for i, (group, lr, decay) in enumerate(zip(groups, base, decays)):
+        group["weight_decay"] = decay
+        if scheduler is None:
+            group["lr"] = lr
+        else:  # the rate the schedule gives its next step, from the new base
+            group["initial_lr"] = lr
+            group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    if scheduler is not None:
+        scheduler.base_lrs = list(base)
+        scheduler._last_lr = [g["lr"] for g in groups]
+    if torch.distributed.get_rank() == 0:
+        log.info("checkpoint saved with learning rate %s and weight decay %s: going on with "
+                 "the run's %s and %s", saved[0], saved[1], base, decays)  # fmt: skip
 
 
 def _resume_point(

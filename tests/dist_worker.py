@@ -373,6 +373,35 @@ def scenario_resize_load(spec, rank, world):
     return {**state, "resumed": resumed, "after": sorted(os.listdir(spec["resize_dir"]))}
 
 
+def scenario_retuned_resume(spec, rank, world):
+    """A checkpoint saved with one learning rate and weight decay, loaded by an engine built
+    with others (a run resumed with train.lr and train.weight_decay edited): the rate and
+    decay each group has then, the schedule's step, and the rate after one more step."""
+    ds = json.loads(Path(spec["deepspeed_config"]).read_text())
+    ds.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1,
+              train_batch_size=MICRO_BATCH * world)  # fmt: skip
+    out = {}
+    for scheduled in (False, True):
+        directory = Path(spec["out"]) / f"retuned-{scheduled}"
+        schedule = (lambda step: (step + 1) / 10) if scheduled else None
+
+        def engine(lr, decay, schedule=schedule):
+            source = ModelSource(config=spec["model_config"], seed=0)
+            return zero.build_engine(source, ds, lr, decay, schedule)
+
+        first = engine(1e-2, 0.01)
+        for step in range(3):
+            train_step(first, *batch(100 * rank + step, spec["vocab"]))
+        zero.save_checkpoint(first, directory, 3, {"step": 3, "tokens": 0})
+        again = engine(4e-3, 0.1)
+        resumed = zero.load_checkpoint(again, directory)
+        groups = again.optimizer.param_groups
+        loaded = [(g["lr"], g["weight_decay"]) for g in groups]
+        train_step(again, *batch(7, spec["vocab"]))
+        out[scheduled] = {"resumed": resumed, "loaded": loaded, "next_lr": groups[0]["lr"]}
+    return out
+
+
 def scenario_checkpointing(spec, rank, world):
     """The same steps with activation checkpointing off, on every layer and on every other
     layer, all parameters trained and some frozen: the losses, this rank's fp32 master
@@ -405,6 +434,7 @@ SCENARIOS = {
     "checkpointing": scenario_checkpointing,
     "resize_save": scenario_resize_save,
     "resize_load": scenario_resize_load,
+    "retuned_resume": scenario_retuned_resume,
     "checkpoint_under_learner": scenario_checkpoint_under_learner,
     "finite": scenario_finite,
     "minmax": scenario_minmax,

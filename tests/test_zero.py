@@ -526,6 +526,23 @@ def test_an_island_resized_between_launches_resumes_its_exact_adamw_state(island
     assert (target / "zero").is_dir()
 
 
+def test_a_run_resumed_with_another_learning_rate_trains_on_with_it(tmp_path, tiny_config_path):
+    # Saved at lr 1e-2 and weight decay 0.01, loaded by an engine built with 4e-3 and 0.1:
+    # DeepSpeed put the checkpoint's back (the optimizer's groups, the schedule's base
+    # rate), and the resumed run trained on with those, saying nothing. The schedule's
+    # position is the checkpoint's: step 3 of (step + 1) / 10.
+    spec = {"scenarios": ["retuned_resume"], "model_config": tiny_config_path,
+            "deepspeed_config": str(DS_CONFIG), "vocab": 512, "out": str(tmp_path)}  # fmt: skip
+    problem = launch(spec, tmp_path, world=1)
+    assert problem is None, problem
+    got = torch.load(tmp_path / "retuned_resume-rank0.pt")
+    assert got[False]["resumed"][0] == got[True]["resumed"][0] == 3
+    assert got[False]["loaded"] == [(4e-3, 0.1)], got[False]
+    assert got[False]["next_lr"] == 4e-3
+    assert got[True]["loaded"] == [(pytest.approx(4e-3 * 0.4), 0.1)], got[True]
+    assert got[True]["next_lr"] == pytest.approx(4e-3 * 0.5)
+
+
 def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(island, tmp_path):
     # A resized island whose checkpoint DeepSpeed cannot convert starts from the global
     # model (zero._load_resized) and names the cause; nothing half-written is left to be
