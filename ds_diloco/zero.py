@@ -362,17 +362,15 @@ def save_checkpoint(engine, directory: Path, step: int, client_state: dict, keep
     torch.distributed.barrier()
 
 
-def checkpoint_world_size(folder: Path) -> int | None:
-    """The number of ranks that wrote the ZeRO-3 checkpoint in ``folder`` (None: unknown).
-
-    Read from rank 0's model states, where DeepSpeed itself takes it on loading; counting
-    files would miss a folder a smaller island rewrote over a larger one's leftovers.
-    """
+def checkpoint_states(folder: Path) -> dict | None:
+    """Rank 0's model states of the ZeRO-3 checkpoint in ``folder`` (None: not there),
+    where DeepSpeed itself takes the number of ranks that wrote it (``dp_world_size``;
+    counting files would miss a folder a smaller island rewrote over a larger one's
+    leftovers) and the schedule's state (``lr_scheduler``, None when saved without one)."""
     model_states = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if not model_states.is_file():
         return None  # DeepSpeed says what is missing
-    state = torch.load(model_states, map_location="cpu", weights_only=False)
-    return state.get("dp_world_size")
+    return torch.load(model_states, map_location="cpu", weights_only=False)
 
 
 def latest_tag(directory: Path) -> str | None:
@@ -400,15 +398,27 @@ def load_checkpoint(
             f"{pointer} names no checkpoint in {directory} ({tag!r}): remove the folder to "
             "start the island afresh, or point the file at a complete step* folder"
         )
-    written_by = checkpoint_world_size(directory / tag)
-    configured = _hyperparameters(engine)
-    if written_by is not None and written_by != engine.dp_world_size:
-        resumed = _load_resized(engine, directory, tag, written_by, convert_timeout_s)
-    else:
-        path, client_state = engine.load_checkpoint(str(directory), tag=tag)
-        if path is None:
-            raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
-        resumed = _resume_point(client_state)
+    states = checkpoint_states(directory / tag) or {}
+    written_by, configured = states.get("dp_world_size"), _hyperparameters(engine)
+    # A checkpoint saved without a schedule (a constant rate, no warm-up) has none for one
+    # built now (resumed with train.warmup_steps or a cosine): DeepSpeed failed on every
+    # launch ("'NoneType' object has no attribute 'pop'"). It starts at the saved step.
+    scheduler = engine.lr_scheduler
+    unscheduled = scheduler is not None and bool(states) and states.get("lr_scheduler") is None
+    if unscheduled:
+        engine.lr_scheduler = None
+    try:
+        if written_by is not None and written_by != engine.dp_world_size:
+            resumed = _load_resized(engine, directory, tag, written_by, convert_timeout_s)
+        else:
+            path, client_state = engine.load_checkpoint(str(directory), tag=tag)
+            if path is None:
+                raise RuntimeError(f"could not load checkpoint {tag} named in {pointer}")
+            resumed = _resume_point(client_state)
+    finally:
+        engine.lr_scheduler = scheduler
+    if unscheduled:
+        scheduler.last_epoch = engine.global_steps  # one scheduler step per optimizer step
     _keep_hyperparameters(engine, configured)
     return resumed
 
@@ -429,8 +439,6 @@ def _keep_hyperparameters(engine, configured: tuple[list[float], list[float]]) -
     (base, decays), scheduler = configured, engine.lr_scheduler
     groups = engine.optimizer.param_groups
     saved = _hyperparameters(engine)
-    if saved == configured:
-        return
     for i, (group, lr, decay) in enumerate(zip(groups, base, decays)):
         group["weight_decay"] = decay
         if scheduler is None:
@@ -441,7 +449,7 @@ def _keep_hyperparameters(engine, configured: tuple[list[float], list[float]]) -
     if scheduler is not None:
         scheduler.base_lrs = list(base)
         scheduler._last_lr = [g["lr"] for g in groups]
-    if torch.distributed.get_rank() == 0:
+    if saved != configured and torch.distributed.get_rank() == 0:
         log.info("checkpoint saved with learning rate %s and weight decay %s: going on with "
                  "the run's %s and %s", saved[0], saved[1], base, decays)  # fmt: skip
 

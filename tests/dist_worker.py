@@ -374,31 +374,33 @@ def scenario_resize_load(spec, rank, world):
 
 
 def scenario_retuned_resume(spec, rank, world):
-    """A checkpoint saved with one learning rate and weight decay, loaded by an engine built
-    with others (a run resumed with train.lr and train.weight_decay edited): the rate and
-    decay each group has then, the schedule's step, and the rate after one more step."""
+    """A checkpoint saved with one learning rate, weight decay and schedule (or none),
+    loaded by an engine built with others (a run resumed with train.lr, train.weight_decay,
+    train.warmup_steps edited): the rate and decay each group has then, the step, and the
+    rate after one more step."""
     ds = json.loads(Path(spec["deepspeed_config"]).read_text())
     ds.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1,
               train_batch_size=MICRO_BATCH * world)  # fmt: skip
     out = {}
-    for scheduled in (False, True):
-        directory = Path(spec["out"]) / f"retuned-{scheduled}"
-        schedule = (lambda step: (step + 1) / 10) if scheduled else None
+    warmup = lambda step: (step + 1) / 10  # noqa: E731
+    for case, (saved, loaded) in {"constant": (None, None), "scheduled": (warmup, warmup),
+                                  "schedule added": (None, warmup)}.items():  # fmt: skip
+        directory = Path(spec["out"]) / f"retuned-{case}"
 
-        def engine(lr, decay, schedule=schedule):
+        def engine(lr, decay, schedule):
             source = ModelSource(config=spec["model_config"], seed=0)
             return zero.build_engine(source, ds, lr, decay, schedule)
 
-        first = engine(1e-2, 0.01)
+        first = engine(1e-2, 0.01, saved)
         for step in range(3):
             train_step(first, *batch(100 * rank + step, spec["vocab"]))
         zero.save_checkpoint(first, directory, 3, {"step": 3, "tokens": 0})
-        again = engine(4e-3, 0.1)
+        again = engine(4e-3, 0.1, loaded)
         resumed = zero.load_checkpoint(again, directory)
         groups = again.optimizer.param_groups
         loaded = [(g["lr"], g["weight_decay"]) for g in groups]
         train_step(again, *batch(7, spec["vocab"]))
-        out[scheduled] = {"resumed": resumed, "loaded": loaded, "next_lr": groups[0]["lr"]}
+        out[case] = {"resumed": resumed, "loaded": loaded, "next_lr": groups[0]["lr"]}
     return out
 
 
