@@ -1165,6 +1165,21 @@ def resumed_starts(workdir: Path, point: dict, since: float) -> dict:
     return out
 
 
+def island_summaries(workdir: Path, names: list[str], point: dict | None, since: float) -> dict:
+    """Each island's rank-0 summary for the run's ``summary.json``: those written since
+    ``since`` (wall clock), and a finished one's that ``point`` (a resume's plan) did not
+    start again. An island a resume started again and that did not finish (stopped, given
+    up) left its earlier launch's: that launch's steps and tokens, not where it is now."""
+    out = {}
+    for name in names:
+        path = workdir / "islands" / name / "summary-rank0.json"
+        island = _json_or_none(path.read_text()) if path.is_file() else None  # torn: left out
+        done = point is not None and point.get(name, {}).get("done")
+        if isinstance(island, dict) and (done or island.get("finished_at", since) >= since):
+            out[name] = island
+    return out
+
+
 def initial_loss(cfg: RunConfig, heldout: torch.Tensor) -> dict:
     """Held-out loss of the model the run started from (built again from ``cfg.model``)."""
     from ds_diloco.hf_model import build_model, mean_loss
@@ -1333,12 +1348,7 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         summary["goodput"] = final_status["run"]["goodput"]
         summary["uptime"] = final_status["run"]["uptime"]
         summary["coordinator"] = final_status
-    for spec in cfg.islands:
-        path = lr.workdir / "islands" / spec.name / "summary-rank0.json"
-        if path.exists():
-            island = _json_or_none(path.read_text())  # torn by a crash: left out
-            if isinstance(island, dict):
-                summary["islands"][spec.name] = island
+    summary["islands"] = island_summaries(lr.workdir, [s.name for s in cfg.islands], point, began)
     state = Path(cfg.coordinator.state_dir) / "coordinator.json"  # none if stopped starting
     summary["merges"] = json.loads(state.read_text())["merges"] if state.exists() else []
     export_dir = g = None

@@ -1080,6 +1080,25 @@ def test_a_resumed_runs_summary_says_where_each_island_really_started(tmp_path, 
     assert "  a: resumed" not in out and "  d:" not in out, out
 
 
+def test_a_resumed_runs_summary_leaves_out_an_island_summary_of_an_earlier_launch(tmp_path):
+    # A resume started "a" again from its step-6 checkpoint, for 12 steps, and was stopped
+    # at step 9: summary.json said "a: 6 steps, 768 tokens", its first launch's summary.
+    # "b" finished before the resume (not started again), "c" finished in this run, "d"'s
+    # is torn.
+    islands = tmp_path / "islands"
+    for name, text in {"a": {"steps": 6, "finished_at": 50.0}, "b": {"steps": 6, "finished_at": 50.0},
+                       "c": {"steps": 12, "finished_at": 150.0}, "d": '{"steps": 12, "fin'}.items():  # fmt: skip
+        (islands / name).mkdir(parents=True)
+        (islands / name / "summary-rank0.json").write_text(
+            text if isinstance(text, str) else json.dumps(text)
+        )
+    point = {"a": {"step": 6}, "b": {"done": True}, "c": {"step": 6}, "d": {"step": 6}}
+    got = run_mod.island_summaries(tmp_path, ["a", "b", "c", "d", "e"], point, since=99.0)
+    assert got == {"b": {"steps": 6, "finished_at": 50.0}, "c": {"steps": 12, "finished_at": 150.0}}
+    # A fresh run (no plan) keeps what its islands wrote.
+    assert run_mod.island_summaries(tmp_path, ["c"], None, since=99.0).keys() == {"c"}
+
+
 def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_config_path):
     # The supervisor shows every island's last record every few seconds, for the whole run.
     islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
