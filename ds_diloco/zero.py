@@ -399,6 +399,7 @@ def load_checkpoint(
             "start the island afresh, or point the file at a complete step* folder"
         )
     states = checkpoint_states(directory / tag) or {}
+    _check_trained(engine, states, directory / tag)
     written_by, configured = states.get("dp_world_size"), _hyperparameters(engine)
     # A checkpoint saved without a schedule (a constant rate, no warm-up) has none for one
     # built now (resumed with train.warmup_steps or a cosine): DeepSpeed failed on every
@@ -421,6 +422,24 @@ def load_checkpoint(
         scheduler.last_epoch = engine.global_steps  # one scheduler step per optimizer step
     _keep_hyperparameters(engine, configured)
     return resumed
+
+
+def _check_trained(engine, states: dict, folder: Path) -> None:
+    """Refuse a checkpoint that trained other parameters than the engine does (``train.freeze``
+    edited for a resumed run): its AdamW state is one flat partition of exactly those, and
+    DeepSpeed failed on every launch with a bare KeyError naming a parameter."""
+    if "param_shapes" not in states:
+        return  # DeepSpeed says what is missing
+    saved = {name for group in states["param_shapes"] for name in group}
+    now = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    if saved != now:
+        more, fewer = sorted(now - saved), sorted(saved - now)
+        raise ValueError(
+            f"checkpoint {folder} trained other parameters than this island (here "
+            f"{len(more)} more, {len(fewer)} fewer, e.g. {(more or fewer)[0]!r}): train.freeze "
+            f"changed since it was saved; set it back, or remove {folder.parent} to start the "
+            "island's inner loop afresh"
+        )
 
 
 def _hyperparameters(engine) -> tuple[list[float], list[float]]:

@@ -377,7 +377,7 @@ def scenario_retuned_resume(spec, rank, world):
     """A checkpoint saved with one learning rate, weight decay and schedule (or none),
     loaded by an engine built with others (a run resumed with train.lr, train.weight_decay,
     train.warmup_steps edited): the rate and decay each group has then, the step, and the
-    rate after one more step."""
+    rate after one more step; and the refusal of an engine that freezes other parameters."""
     ds = json.loads(Path(spec["deepspeed_config"]).read_text())
     ds.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1,
               train_batch_size=MICRO_BATCH * world)  # fmt: skip
@@ -401,6 +401,14 @@ def scenario_retuned_resume(spec, rank, world):
         loaded = [(g["lr"], g["weight_decay"]) for g in groups]
         train_step(again, *batch(7, spec["vocab"]))
         out[case] = {"resumed": resumed, "loaded": loaded, "next_lr": groups[0]["lr"]}
+    # train.freeze edited: the checkpoint's AdamW state is of other parameters.
+    source = ModelSource(config=spec["model_config"], seed=0)
+    frozen = zero.build_engine(source, ds, 1e-2, 0.01, freeze=(r"layers\.0\.",))
+    try:
+        zero.load_checkpoint(frozen, Path(spec["out"]) / "retuned-constant")
+        out["refrozen"] = None
+    except ValueError as e:
+        out["refrozen"] = str(e)
     return out
 
 

@@ -547,6 +547,24 @@ def test_a_run_resumed_with_another_learning_rate_trains_on_with_it(tmp_path, ti
         assert got[case]["next_lr"] == pytest.approx(4e-3 * 0.5), (case, got[case])
 
 
+def test_a_run_resumed_with_other_frozen_parameters_is_refused_naming_the_change(
+    tmp_path, tiny_config_path
+):
+    # train.freeze edited for a resumed run: the checkpoint's AdamW state is one flat
+    # partition of other parameters, and DeepSpeed failed on every launch with a bare
+    # KeyError: 'model.layers.0.self_attn.q_proj.weight'.
+    spec = {"scenarios": ["retuned_resume"], "model_config": tiny_config_path,
+            "deepspeed_config": str(DS_CONFIG), "vocab": 512, "out": str(tmp_path)}  # fmt: skip
+    problem = launch(spec, tmp_path, world=1)
+    assert problem is None, problem
+    refused = torch.load(tmp_path / "retuned_resume-rank0.pt")["refrozen"]
+    assert (
+        refused is not None
+        and "trained other parameters than this island (here 0 more, " in refused
+    )
+    assert "train.freeze changed since it was saved" in refused, refused
+
+
 def test_a_checkpoint_that_cannot_be_converted_says_why_and_leaves_no_folder(island, tmp_path):
     # A resized island whose checkpoint DeepSpeed cannot convert starts from the global
     # model (zero._load_resized) and names the cause; nothing half-written is left to be
