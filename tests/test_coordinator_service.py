@@ -1065,14 +1065,7 @@ def test_a_streamed_upload_that_stalls_is_refused_and_lets_go_of_its_row(
     monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", 0)
     srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
     try:
-        client = client_for(srv)
-        client.register("a", 1, srv.coord.plan.signature)
-        in_use = srv.coord.status()["buffers"]["in_use"]
-        frag = srv.coord.plan.fragments[0]
-        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
-        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
-                              step=4, tokens=64, steps=4)  # fmt: skip
-        body = wire.encode_upload(h, delta)
+        client, in_use, body = _registered_with_a_body(srv)
         sent = wire.head_length(body, len(body)) + 100
         with socket.create_connection((srv.host, srv.port), timeout=10) as s:
             s.sendall(
@@ -1097,6 +1090,18 @@ def test_a_streamed_upload_that_stalls_is_refused_and_lets_go_of_its_row(
         srv.stop()
 
 
+def _registered_with_a_body(srv):
+    """(client, buffers in use, an upload body of island "a" for fragment 0 at step 4)."""
+    client = client_for(srv)
+    client.register("a", 1, srv.coord.plan.signature)
+    in_use = srv.coord.status()["buffers"]["in_use"]
+    frag = srv.coord.plan.fragments[0]
+    delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
+    h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
+                          step=4, tokens=64, steps=4)  # fmt: skip
+    return client, in_use, wire.encode_upload(h, delta)
+
+
 @pytest.mark.parametrize("inline_bytes", [INLINE_DEFAULT, 0], ids=["whole", "streamed"])
 def test_an_upload_whose_client_goes_away_mid_body_ends_quietly_and_keeps_nothing(
     tiny_config_path, tmp_path, monkeypatch, caplog, inline_bytes
@@ -1106,14 +1111,7 @@ def test_an_upload_whose_client_goes_away_mid_body_ends_quietly_and_keeps_nothin
     monkeypatch.setattr(server_mod, "INLINE_UPLOAD_BYTES", inline_bytes)
     srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state", islands=1))
     try:
-        client = client_for(srv)
-        client.register("a", 1, srv.coord.plan.signature)
-        in_use = srv.coord.status()["buffers"]["in_use"]
-        frag = srv.coord.plan.fragments[0]
-        delta = rank_slices(frag, {p.name: torch.full(p.shape, 1e-3) for p in frag.params}, 1, 0)
-        h = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=0, base_version=0,
-                              step=4, tokens=64, steps=4)  # fmt: skip
-        body = wire.encode_upload(h, delta)
+        client, in_use, body = _registered_with_a_body(srv)
         with caplog.at_level(logging.DEBUG, logger="ds_diloco.server"):
             with socket.create_connection((srv.host, srv.port), timeout=10) as s:
                 s.sendall(
