@@ -987,11 +987,16 @@ class FragmentSyncer:
 
     # ---------------------------------------------------------- network side
     def _uploader(self) -> None:
+        self._transport("upload", self._upload_loop)
+
+    def _transport(self, what: str, loop) -> None:
+        """A transport thread's life: ``loop`` at a lower priority; if it dies of an error,
+        the training thread hears of it at its next step (``on_step``)."""
         _lower_thread_priority(BACKGROUND_NICE)
         try:
-            self._upload_loop()
+            loop()
         except BaseException as e:
-            self._died = f"the upload thread died: {type(e).__name__}: {e}"
+            self._died = f"the {what} thread died: {type(e).__name__}: {e}"
             raise  # (its traceback: threading's excepthook)
         finally:
             self._count_thread_cpu()
@@ -1079,14 +1084,7 @@ class FragmentSyncer:
             return out
 
     def _downloader(self) -> None:
-        _lower_thread_priority(BACKGROUND_NICE)
-        try:
-            self._download_loop()
-        except BaseException as e:
-            self._died = f"the download thread died: {type(e).__name__}: {e}"
-            raise
-        finally:
-            self._count_thread_cpu()
+        self._transport("download", self._download_loop)
 
     def _download_loop(self) -> None:
         last_contact = time.monotonic()
@@ -1130,10 +1128,8 @@ class FragmentSyncer:
                     break
                 self.stats.failed += 1
                 log.warning("%s/%d long poll for fragments: %s", self.island, self.rank, e)
-                bad_wait = min(max(2 * bad_wait, self.poll_s), HEARTBEAT_S)  # a 5xx each time:
-                self._stop.wait(bad_wait)  # asked again (and logged) every poll_s, otherwise
-                continue
-            if self.stats.bad_responses + self.stats.failed > errors:  # one came torn
+                current = None  # asked again after the wait below
+            if self.stats.bad_responses + self.stats.failed > errors:  # failed, or came torn
                 bad_wait = min(max(2 * bad_wait, self.poll_s), HEARTBEAT_S)
                 self._stop.wait(bad_wait)
             else:
