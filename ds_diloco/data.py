@@ -267,8 +267,9 @@ def _has_records(files: Sequence[str]) -> bool:
 def _training_texts(files: Sequence[str], text_field: str) -> Iterator[str]:
     for f in files:
         if _suffix(f) in _LOADERS:  # the column pack() reads, not the file's syntax or bytes
-            for batch in load_text_dataset(f, text_field=text_field).iter(batch_size=1024):
-                yield from (t for t in batch["text"] if t)
+            if (records := _record_file(f, text_field)) is not None:
+                for batch in records.iter(batch_size=1024):
+                    yield from (t for t in batch["text"] if t)
         else:
             yield clean_gutenberg(_read_text(f))
 
@@ -342,6 +343,8 @@ def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
         ds = ds[split]
     if text_field not in ds.column_names:
         raise ValueError(f"text_field={text_field!r} not found; columns are {ds.column_names}")
+    if getattr(ds.features[text_field], "dtype", None) == "null":  # a shard of null texts
+        ds = ds.cast_column(text_field, datasets.Value("string"))
     if not _is_text(ds.features[text_field]):  # else a bare TypeError in the tokenizer
         texts = [c for c in ds.column_names if _is_text(ds.features[c])]
         raise ValueError(
@@ -354,6 +357,29 @@ def _text_column(ds, text_field: str, split: str) -> datasets.Dataset:
 
 def _is_text(feature) -> bool:
     return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def _record_file(path: str, text_field: str) -> datasets.Dataset | None:
+    """One ``.json``/``.jsonl``/``.parquet`` file's ``text_field`` column, read alone (shards
+    read together had to have the same columns: ``datasets`` refused other extra ones in its
+    cast); None for a file holding no records (an empty shard, on which ``datasets`` fails).
+    Errors name the file."""
+    if _no_records(path):
+        return None
+    try:
+        return _text_column(_loaded(_LOADERS[_suffix(path)], [path]), text_field, "train")
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _no_records(path: str) -> bool:
+    """A record file holding none: blank, an empty JSON list, a parquet file of no rows."""
+    size = os.path.getsize(path)
+    if size == 0 or _suffix(path) != ".parquet":  # blanks, or a JSON list of none
+        return size <= 4096 and Path(path).read_bytes().strip() in (b"", b"[]")
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(path).num_rows == 0
 
 
 def _loaded(loader: str, files: list[str]):
@@ -416,8 +442,12 @@ def load_text_dataset(
         paragraphs = [p for f in txt for p in _file_paragraphs(f)]
         parts.append(datasets.Dataset.from_dict({"text": paragraphs}))
     for loader in dict.fromkeys(_LOADERS.values()):
-        if group := [f for f in files if _LOADERS.get(_suffix(f)) == loader]:
-            parts.append(_text_column(_loaded(loader, group), text_field, split))
+        group = [f for f in files if _LOADERS.get(_suffix(f)) == loader]
+        parts += filter(None, (_record_file(f, text_field) for f in group))
+    if not parts:  # record files holding none: an empty corpus, as an empty text file is
+        return datasets.Dataset.from_dict(
+            {"text": []}, datasets.Features(text=datasets.Value("string"))
+        )
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

@@ -194,3 +194,31 @@ def test_a_hub_datasets_configuration_is_asked_for_and_keys_its_tokens(tmp_path,
     assert asked == [("someone/wiki", "raw", "train"), ("someone/wiki", "v1", "train")]
     assert tok.decode(raw[0].tolist()).startswith("The raw text")
     assert tok.decode(plain[0].tolist()).startswith("The v1 text")
+
+
+def test_record_shards_with_other_columns_or_no_records_are_read_and_a_bad_one_named(tmp_path):
+    # Shards whose records carry other extra columns failed in datasets' cast after the
+    # tokenizer was trained (DatasetGenerationError); an empty shard failed the training
+    # ("generator raised StopIteration"), an empty parquet file every read.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "shards"
+    _jsonl(folder / "a.jsonl", LINES[:20])
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": t, "url": "u"}) + "\n"
+                                            for t in LINES[20:]))  # fmt: skip
+    (folder / "c.jsonl").write_text("")
+    (folder / "d.jsonl").write_text("\n")
+    (folder / "e.jsonl").write_text(json.dumps({"text": None}) + "\n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "f.parquet")
+    assert _texts(folder) == [*LINES, None]
+    tok, blocks = data.prepare_corpus(folder, tmp_path / "cache", 300, 8)
+    assert (
+        blocks.tensor().flatten().tolist()
+        == data.pack(data.load_text_dataset(folder), tok, 8).flatten().tolist()
+    )
+    _jsonl(folder / "g.jsonl", LINES, field="body")
+    with pytest.raises(ValueError, match=r"g.jsonl: text_field='text' not found"):
+        _texts(folder)
+    with pytest.raises(ValueError, match=r"g.jsonl: text_field='text' not found"):
+        data.prepare_corpus(folder, tmp_path / "cache", 300, 8)
