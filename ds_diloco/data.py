@@ -364,10 +364,18 @@ def _record_file(path: str, text_field: str) -> datasets.Dataset | None:
     read together had to have the same columns: ``datasets`` refused other extra ones in its
     cast); None for a file holding no records (an empty shard, on which ``datasets`` fails).
     Errors name the file."""
-    if _no_records(path):
-        return None
+    import datasets
+
     try:
-        return _text_column(_loaded(_LOADERS[_suffix(path)], [path]), text_field, "train")
+        if _no_records(path):
+            return None
+        ds = _loaded(_LOADERS[_suffix(path)], [path])
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:  # a file cut short
+        why = str(e.__cause__ or e).strip().splitlines() or [repr(e)]  # pyarrow's, one line
+        kind = "parquet" if _suffix(path) == ".parquet" else "JSON"
+        raise ValueError(f"{path}: not readable as {kind} records ({why[0]})") from None
+    try:
+        return _text_column(ds, text_field, "train")
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 

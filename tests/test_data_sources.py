@@ -222,3 +222,15 @@ def test_record_shards_with_other_columns_or_no_records_are_read_and_a_bad_one_n
         _texts(folder)
     with pytest.raises(ValueError, match=r"g.jsonl: text_field='text' not found"):
         data.prepare_corpus(folder, tmp_path / "cache", 300, 8)
+
+
+def test_a_record_file_that_does_not_parse_is_named(tmp_path):
+    # A shard cut short (a killed download): a DatasetGenerationError traceback, no file named.
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(json.dumps({"text": LINES[0]}) + '\n{"text": "Line 1 of')
+    with pytest.raises(ValueError, match=r"cut.jsonl: not readable as JSON records .*JSON parse"):
+        _texts(cut)
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1" + b"\1" * 100)
+    with pytest.raises(ValueError, match=r"junk.parquet: not readable as parquet records"):
+        data.prepare_corpus(junk, tmp_path / "cache", 300, 8)
