@@ -397,9 +397,15 @@ def _loaded(loader: str, files: list[str]):
     gave a replaced file's old records."""
     import datasets
 
+    return getattr(datasets.Dataset, loader)(files, cache_dir=_stats_cache(files))
+
+
+def _stats_cache(files: Sequence[str | os.PathLike]) -> str:
+    """A ``datasets`` cache folder of its own for ``files`` as they are now (:func:`_loaded`)."""
+    import datasets
+
     key = hashlib.sha256(json.dumps(_file_stats(files)).encode()).hexdigest()[:16]
-    cache = Path(datasets.config.HF_DATASETS_CACHE) / "ds_diloco" / key
-    return getattr(datasets.Dataset, loader)(files, cache_dir=str(cache))
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "ds_diloco" / key)
 
 
 def load_text_dataset(
@@ -441,7 +447,10 @@ def load_text_dataset(
     folder = Path(sources[0])
     saved = _saved_dataset(folder)
     if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder, split)):
-        ds = datasets.load_from_disk(str(folder)) if saved else datasets.load_dataset(str(folder))
+        if saved:
+            ds = datasets.load_from_disk(str(folder))
+        else:  # its files read as they are now, as _loaded reads them
+            ds = datasets.load_dataset(str(folder), cache_dir=_stats_cache(_walk(folder)))
         return _text_column(ds, text_field, split)
 
     files = [f for s in sources for f in find_text_files(s, split)]

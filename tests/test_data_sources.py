@@ -121,6 +121,15 @@ def test_a_replaced_record_file_is_read_again_even_with_the_same_mtime(tmp_path)
     _jsonl(path, ["the new, longer text"])
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert _texts(path) == ["the new, longer text"]
+    # A folder datasets.load_dataset reads (of .csv files): the same.
+    (tmp_path / "csv").mkdir()
+    path = tmp_path / "csv" / "train.csv"
+    path.write_text("text\nold text\n")
+    assert _texts(path.parent) == ["old text"]
+    st = path.stat()
+    path.write_text("text\nthe new and longer text\n")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _texts(path.parent) == ["the new and longer text"]
 
 
 def test_a_cache_inside_the_corpus_folder_is_not_read_as_corpus(tmp_path):
