@@ -938,7 +938,8 @@ def prepare_corpus(
         raise ValueError(f"data.path {str(source)!r} does not exist")
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    (cache / CACHE_MARK).touch()  # before the corpus is listed: a cache inside it is left out
+    if not (cache / CACHE_MARK).exists():  # a filled cache may be mounted read-only
+        (cache / CACHE_MARK).touch()  # before the corpus is listed: a cache inside it is left out
     saved = local and _saved_dataset(source)
     files = _corpus_files(Path(source), split) if local and not saved else []
     if files:

@@ -243,3 +243,23 @@ def test_a_record_file_that_does_not_parse_is_named(tmp_path):
     junk.write_bytes(b"PAR1" + b"\1" * 100)
     with pytest.raises(ValueError, match=r"junk.parquet: not readable as parquet records"):
         data.prepare_corpus(junk, tmp_path / "cache", 300, 8)
+
+
+def test_a_filled_cache_is_only_read(tmp_path):
+    # Prepared ahead (ds-diloco prepare-data) and mounted read-only on the nodes: every rank
+    # failed with "Read-only file system" touching the cache's mark. Nothing in a filled
+    # cache may be written again (as root, the mount is what refuses: mtimes are checked).
+    cache = tmp_path / "cache"
+    _, blocks = data.prepare_corpus(SONNETS, cache, VOCAB, 16)
+    before = {p: p.stat().st_mtime_ns for p in [cache, *cache.rglob("*")]}
+    time.sleep(0.01)
+    if os.geteuid() != 0:
+        for p in before:
+            p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        _, again = data.prepare_corpus(SONNETS, cache, VOCAB, 16)
+    finally:
+        for p in before:
+            p.chmod(p.stat().st_mode | 0o200)
+    assert again.tensor().equal(blocks.tensor())
+    assert {p: p.stat().st_mtime_ns for p in [cache, *cache.rglob("*")]} == before
