@@ -322,7 +322,17 @@ def train_tokenizer(
         for f in Path(tmp).iterdir():
             os.replace(f, out / f.name)
     atomic_write(fp_path, json.dumps(fingerprint, indent=1).encode())
+    os.chmod(fp_path, _file_mode())  # mkstemp's 0600: other users of the cache could not read it
     return hf
+
+
+def _file_mode() -> int:
+    """The mode ``open`` gives a new file (0666 less the umask), as the tokenizer's files get:
+    the cache's files written through ``mkstemp`` (0600) were unreadable to the other users
+    of a shared cache."""
+    umask = os.umask(0o077)  # read by setting it: the strictest meanwhile, for other threads
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 _LOADERS = {".json": "from_json", ".jsonl": "from_json", ".parquet": "from_parquet"}
@@ -578,6 +588,7 @@ def write_tokens(
     t0 = reported = time.monotonic()
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, _file_mode())  # mkstemp's 0600: unreadable to a shared cache's users
             for ids in _encoded(records, tokenizer):
                 if len(ids) and (ids.max() > top or ids.min() < 0):
                     raise ValueError(

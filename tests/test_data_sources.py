@@ -263,3 +263,18 @@ def test_a_filled_cache_is_only_read(tmp_path):
             p.chmod(p.stat().st_mode | 0o200)
     assert again.tensor().equal(blocks.tensor())
     assert {p: p.stat().st_mtime_ns for p in [cache, *cache.rglob("*")]} == before
+
+
+def test_the_caches_files_take_the_umask_as_the_tokenizers_do(tmp_path):
+    # The token file and the fingerprint were mode 0600 (mkstemp), tokenizer.json 0644: a
+    # cache prepared by one user was unreadable to the others sharing it.
+    cache = tmp_path / "cache"
+    data.prepare_corpus(SONNETS, cache, VOCAB, 16)
+    (tokens,) = cache.glob("tokens-*")
+    (tok_dir,) = cache.glob("tokenizer-*")
+    mode = (tok_dir / "tokenizer.json").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+    assert tokens.stat().st_mode & 0o777 == mode
+    assert (tok_dir / data.FINGERPRINT_FILE).stat().st_mode & 0o777 == mode
