@@ -460,7 +460,15 @@ def load_text_dataset(
         if saved:
             ds = datasets.load_from_disk(str(folder))
         else:  # its files read as they are now, as _loaded reads them
-            ds = datasets.load_dataset(str(folder), cache_dir=_stats_cache(_walk(folder)))
+            try:
+                ds = datasets.load_dataset(str(folder), cache_dir=_stats_cache(_walk(folder)))
+            except (datasets.exceptions.DatasetsError, OSError, ImportError, ValueError) as e:
+                # datasets' guess of what the folder holds (.md: "No task.toml or ...")
+                why = str(e.__cause__ or e).strip().splitlines() or [repr(e)]
+                raise ValueError(
+                    f"data.path {str(folder)!r} holds no .txt, .json, .jsonl or .parquet files, "
+                    f"and datasets.load_dataset does not read it ({why[0]})"
+                ) from None
         return _text_column(ds, text_field, split)
 
     files = [f for s in sources for f in find_text_files(s, split)]

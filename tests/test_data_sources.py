@@ -278,3 +278,16 @@ def test_the_caches_files_take_the_umask_as_the_tokenizers_do(tmp_path):
     assert mode == 0o666 & ~umask
     assert tokens.stat().st_mode & 0o777 == mode
     assert (tok_dir / data.FINGERPRINT_FILE).stat().st_mode & 0o777 == mode
+
+
+def test_a_folder_datasets_cannot_read_is_named(tmp_path):
+    # A folder of .md files with data.tokenizer: "DataFilesNotFoundError: No task.toml or
+    # instruction.md files found", a traceback from datasets' guess of what the folder is.
+    tok_dir = tmp_path / "tok"
+    data.train_tokenizer([SONNETS], VOCAB, tok_dir)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "guide.md").write_text(SONNETS.read_text())
+    with pytest.raises(ValueError, match=r"docs' holds no .txt, .json, .jsonl or .parquet file"
+                                         r"s, and datasets.load_dataset does not read it \(.+\)"):  # fmt: skip
+        data.prepare_corpus(docs, tmp_path / "cache", VOCAB, 16, tokenizer=tok_dir)
