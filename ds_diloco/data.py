@@ -458,7 +458,12 @@ def load_text_dataset(
     saved = _saved_dataset(folder)
     if len(sources) == 1 and folder.is_dir() and (saved or not _corpus_files(folder, split)):
         if saved:
-            ds = datasets.load_from_disk(str(folder))
+            try:
+                ds = datasets.load_from_disk(str(folder))
+            except (OSError, ValueError) as e:  # a datasets cache folder: no state.json
+                raise ValueError(
+                    f"data.path {str(folder)!r} is not a dataset save_to_disk wrote ({e})"
+                ) from None
         else:  # its files read as they are now, as _loaded reads them
             try:
                 ds = datasets.load_dataset(str(folder), cache_dir=_stats_cache(_walk(folder)))

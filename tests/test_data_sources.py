@@ -291,3 +291,14 @@ def test_a_folder_datasets_cannot_read_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"docs' holds no .txt, .json, .jsonl or .parquet file"
                                          r"s, and datasets.load_dataset does not read it \(.+\)"):  # fmt: skip
         data.prepare_corpus(docs, tmp_path / "cache", VOCAB, 16, tokenizer=tok_dir)
+
+
+def test_a_folder_with_dataset_info_that_load_from_disk_refuses_is_named(tmp_path):
+    # A datasets cache folder (dataset_info.json beside its .arrow files, no state.json): a
+    # FileNotFoundError traceback from load_from_disk.
+    folder = data.load_text_dataset(_jsonl(tmp_path / "r.jsonl", LINES)).cache_files[0]
+    folder = Path(folder["filename"]).parent
+    assert (folder / "dataset_info.json").is_file()
+    with pytest.raises(ValueError, match=r"data.path '.*' is not a dataset save_to_disk wrote "
+                                         r"\(.*neither a `Dataset` directory"):  # fmt: skip
+        data.load_text_dataset(folder)
