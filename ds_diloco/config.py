@@ -991,6 +991,8 @@ def _check_files(cfg: IslandConfig | RunConfig) -> None:
     _check_model(cfg.model, "model", contents=True)
     if Path(cfg.workdir).exists() and not Path(cfg.workdir).is_dir():
         raise ValueError(f"workdir {cfg.workdir!r} is a file, not a folder")
+    if Path(cfg.data.cache_dir).is_file():  # else a FileExistsError traceback in every rank
+        raise ValueError(f"data.cache_dir {cfg.data.cache_dir!r} is a file, not a folder")
     vocab = _model_vocab_size(cfg.model)
     if cfg.data.tokenizer is None and vocab is not None and cfg.data.vocab_size > vocab:
         # Token ids >= the embedding's rows: an IndexError at the first forward.

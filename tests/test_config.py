@@ -553,6 +553,7 @@ def test_an_islands_train_section_overrides_the_runs_for_it_alone(tmp_path):
         ({"model": {"config": ""}}, r"^model.config: an empty path"),
         ({"workdir": "../ds.json"}, r"^workdir '\S+ds.json' is a file, not a folder"),
         ({"coordinator.state_dir": "../ds.json"}, r"^coordinator.state_dir '\S+' is a file"),
+        ({"data.cache_dir": "../ds.json"}, r"^data.cache_dir '\S+ds.json' is a file, not a fo"),
         ({"push_to_hub": ""}, r"^push_to_hub: empty"),
         # What the islands load, at load, not in a transformers traceback in every rank.
         ({"model": {"config": "./tiny-lama.json"}}, r"^model.config '\S+tiny-lama.json' does n"),
