@@ -90,6 +90,22 @@ def check_sequence_fits(specs, seq_len: int) -> None:
             )
 
 
+def check_tokenizer_fits(tokenizer, source: ModelSource, name: str | None) -> None:
+    """Every id of ``tokenizer`` (``data.tokenizer`` ``name``, None: trained on the corpus)
+    is a row of the model's embeddings: a larger one is an IndexError in every rank's first
+    forward."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(source.pretrained or source.config).vocab_size
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer ({name or 'trained on the corpus'}) has {len(tokenizer)} tokens, "
+            f"above the model's vocab_size {vocab}: its ids would index past the embeddings "
+            "(an IndexError in every rank's first step); use the model's own tokenizer or a "
+            "model with a larger vocabulary"
+        )
+
+
 def model_signature(source: ModelSource) -> str:
     """The parameter signature (names, shapes, order) of the model ``source`` describes."""
     from ds_diloco.fragments import signature

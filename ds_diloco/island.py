@@ -36,7 +36,7 @@ from ds_diloco.data import (
     prepare_section,
     split_blocks,
 )
-from ds_diloco.hf_model import lm_loss
+from ds_diloco.hf_model import check_tokenizer_fits, lm_loss
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
 from ds_diloco.stall_exit import StallExit
@@ -63,9 +63,11 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
     with zero.patient_group(d.prepare_timeout_s) as group:  # as long as tokenising takes
         for phase in range(3):
             if phase == turn:
-                _, blocks = prepare_section(d)
+                tokenizer, blocks = prepare_section(d)
             if phase < 2:
                 zero.barrier(group)
+    # `ds-diloco run` checks it before it starts islands; one launched alone, here.
+    check_tokenizer_fits(tokenizer, cfg.model, d.tokenizer)
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)

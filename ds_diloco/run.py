@@ -89,10 +89,13 @@ def check_islands_inputs(cfg: RunConfig, tokenizer=None) -> None:
     log, restarted up to max_restarts times): the fragment plan against the model, each
     island's ``train.freeze``, the tokenizer's ids and the sequence length against the
     model's tables, and the DeepSpeed config against DeepSpeed's own schema."""
-    from transformers import AutoConfig
-
     from ds_diloco.fragments import FragmentPlan
-    from ds_diloco.hf_model import check_freeze, check_sequence_fits, model_specs
+    from ds_diloco.hf_model import (
+        check_freeze,
+        check_sequence_fits,
+        check_tokenizer_fits,
+        model_specs,
+    )
     from ds_diloco.island import deepspeed_config
 
     c = cfg.coordinator
@@ -107,14 +110,8 @@ def check_islands_inputs(cfg: RunConfig, tokenizer=None) -> None:
         except ValueError as e:
             raise ValueError(f"islands[{spec.name}]: {e}" if spec.train else str(e)) from None
     check_sequence_fits(specs, cfg.data.seq_len)
-    vocab = AutoConfig.from_pretrained(cfg.model.pretrained or cfg.model.config).vocab_size
-    if tokenizer is not None and vocab is not None and len(tokenizer) > vocab:
-        raise ValueError(
-            f"the tokenizer ({cfg.data.tokenizer or 'trained on the corpus'}) has "
-            f"{len(tokenizer)} tokens, above the model's vocab_size {vocab}: its ids would "
-            "index past the embeddings (an IndexError in every rank's first step); use the "
-            "model's own tokenizer or a model with a larger vocabulary"
-        )
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, cfg.model, cfg.data.tokenizer)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks get it (_env)
     from ds_diloco.zero import check_deepspeed_config

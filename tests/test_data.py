@@ -678,3 +678,32 @@ def test_an_islands_ranks_wait_for_the_corpus_longer_than_their_process_groups_t
     # data.prepare_timeout_s is that wait's bound: 1 s is too short for rank 0's turn.
     rc, _, err = launch(1.0, tmp_path / "cache2")[1]
     assert rc != 0 and "Timed out" in err, err[-2000:]
+
+
+def test_an_island_refuses_a_tokenizer_whose_ids_pass_the_models_embeddings(
+    tmp_path, tiny_config_path
+):
+    # `ds-diloco run` checked it; an island launched on its own (deepspeed ... island) went
+    # on to an IndexError traceback in every rank's first forward.
+    from ds_diloco.run import free_port
+
+    model = json.loads(Path(tiny_config_path).read_text())
+    Path(tiny_config_path).write_text(json.dumps({**model, "vocab_size": 300}))
+    data.train_tokenizer([SONNETS], VOCAB, tmp_path / "tok")
+    island = {
+        "island": "east", "coordinator_url": "http://127.0.0.1:1",
+        "model": {"config": tiny_config_path},
+        "deepspeed_config": str(Path(__file__).parent.parent / "model_configs" / "deepspeed"
+                                / "zero3_cpu.json"),
+        "data": {"path": str(SONNETS), "tokenizer": str(tmp_path / "tok"), "seq_len": 16,
+                 "cache_dir": str(tmp_path / "cache")},
+        "train": {"steps": 1, "micro_batch": 2}, "workdir": str(tmp_path / "east"),
+    }  # fmt: skip
+    path = tmp_path / "island.json"
+    path.write_text(json.dumps(island))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "ds_diloco.cli", "island", "--config", str(path),
+                          "--plain"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"has {VOCAB} tokens, above the model's vocab_size 300" in out.stderr, out.stderr[-3000:]
