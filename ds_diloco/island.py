@@ -36,7 +36,7 @@ from ds_diloco.data import (
     prepare_section,
     split_blocks,
 )
-from ds_diloco.hf_model import check_tokenizer_fits, lm_loss
+from ds_diloco.hf_model import check_sequence_fits, check_tokenizer_fits, lm_loss, model_specs
 from ds_diloco.learner import Learner
 from ds_diloco.sharding import shard_numel
 from ds_diloco.stall_exit import StallExit
@@ -66,8 +66,9 @@ def load_blocks(cfg: IslandConfig, rank: int) -> tuple[Blocks, Blocks]:
                 tokenizer, blocks = prepare_section(d)
             if phase < 2:
                 zero.barrier(group)
-    # `ds-diloco run` checks it before it starts islands; one launched alone, here.
+    # `ds-diloco run` checks them before it starts islands; one launched alone, here.
     check_tokenizer_fits(tokenizer, cfg.model, d.tokenizer)
+    check_sequence_fits(model_specs(cfg.model), d.seq_len)
     train, heldout = heldout_split(blocks, d.heldout_fraction, seed=d.seed)
     try:
         island = split_blocks(train, cfg.num_shards, cfg.shard)

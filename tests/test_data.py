@@ -680,19 +680,14 @@ def test_an_islands_ranks_wait_for_the_corpus_longer_than_their_process_groups_t
     assert rc != 0 and "Timed out" in err, err[-2000:]
 
 
-def test_an_island_refuses_a_tokenizer_whose_ids_pass_the_models_embeddings(
-    tmp_path, tiny_config_path
-):
-    # `ds-diloco run` checked it; an island launched on its own (deepspeed ... island) went
-    # on to an IndexError traceback in every rank's first forward.
+def _plain_island(tmp_path, model_config: str) -> subprocess.CompletedProcess:
+    """``ds-diloco island --plain`` of one rank on the sonnets, with a tokenizer of VOCAB."""
     from ds_diloco.run import free_port
 
-    model = json.loads(Path(tiny_config_path).read_text())
-    Path(tiny_config_path).write_text(json.dumps({**model, "vocab_size": 300}))
     data.train_tokenizer([SONNETS], VOCAB, tmp_path / "tok")
     island = {
         "island": "east", "coordinator_url": "http://127.0.0.1:1",
-        "model": {"config": tiny_config_path},
+        "model": {"config": model_config},
         "deepspeed_config": str(Path(__file__).parent.parent / "model_configs" / "deepspeed"
                                 / "zero3_cpu.json"),
         "data": {"path": str(SONNETS), "tokenizer": str(tmp_path / "tok"), "seq_len": 16,
@@ -703,7 +698,29 @@ def test_an_island_refuses_a_tokenizer_whose_ids_pass_the_models_embeddings(
     path.write_text(json.dumps(island))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "ds_diloco.cli", "island", "--config", str(path),
-                          "--plain"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "ds_diloco.cli", "island", "--config", str(path),
+                           "--plain"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+
+
+def test_an_island_refuses_a_tokenizer_whose_ids_pass_the_models_embeddings(
+    tmp_path, tiny_config_path
+):
+    # `ds-diloco run` checked it; an island launched on its own (deepspeed ... island) went
+    # on to an IndexError traceback in every rank's first forward.
+    model = json.loads(Path(tiny_config_path).read_text())
+    Path(tiny_config_path).write_text(json.dumps({**model, "vocab_size": 300}))
+    out = _plain_island(tmp_path, tiny_config_path)
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"has {VOCAB} tokens, above the model's vocab_size 300" in out.stderr, out.stderr[-3000:]
+
+
+def test_an_island_refuses_a_sequence_longer_than_the_models_learned_positions(tmp_path):
+    # The same for data.seq_len past GPT-2's position table: an IndexError in every rank.
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_positions": 8,
+            "n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB}  # fmt: skip
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    out = _plain_island(tmp_path, str(tmp_path / "gpt2.json"))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "data.seq_len 16 is longer than the model's 8 learned positions" in out.stderr, (
+        out.stderr[-3000:]
+    )
