@@ -261,7 +261,7 @@ class DataConfig:
     """An island's text: where it comes from, how it becomes fixed-length token blocks."""
 
     path: str
-    """Text file or folder (its *.txt files, else its .json/.jsonl/.parquet files; hidden
+    """Text file or folder (its *.txt files, else its .json/.jsonl/.ndjson/.parquet files; hidden
     entries and our caches skipped, linked folders followed), a saved dataset, or a
     ``load_dataset`` name. Text is UTF-8 (else cp1252), or UTF-16/32 with a byte-order
     mark; several Gutenberg books in one file each lose their licence."""

@@ -335,7 +335,8 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-_LOADERS = {".json": "from_json", ".jsonl": "from_json", ".parquet": "from_parquet"}
+_LOADERS = {".json": "from_json", ".jsonl": "from_json", ".ndjson": "from_json",
+            ".parquet": "from_parquet"}  # fmt: skip
 """File suffix -> the ``datasets.Dataset`` constructor that reads it."""
 
 

@@ -302,3 +302,14 @@ def test_a_folder_with_dataset_info_that_load_from_disk_refuses_is_named(tmp_pat
     with pytest.raises(ValueError, match=r"data.path '.*' is not a dataset save_to_disk wrote "
                                          r"\(.*neither a `Dataset` directory"):  # fmt: skip
         data.load_text_dataset(folder)
+
+
+def test_ndjson_files_are_records(tmp_path):
+    # Newline-delimited JSON under its other common suffix was read as text: the tokenizer
+    # and the model trained on the records' JSON syntax, '{"text": ...', with no error.
+    path = tmp_path / "part.ndjson"
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(LINES)))
+    assert _texts(path) == LINES
+    (tmp_path / "folder").mkdir()
+    path.rename(tmp_path / "folder" / path.name)
+    assert _texts(tmp_path / "folder") == LINES
