@@ -962,9 +962,15 @@ def prepare_corpus(
     if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
         raise ValueError(f"data.path {str(source)!r} does not exist")
     cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    if not (cache / CACHE_MARK).exists():  # a filled cache may be mounted read-only
-        (cache / CACHE_MARK).touch()  # before the corpus is listed: a cache inside it is left out
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if not (cache / CACHE_MARK).exists():  # a filled cache may be mounted read-only
+            (cache / CACHE_MARK).touch()  # before the corpus is listed: a cache in it is left out
+    except OSError as e:  # beside a config file in a read-only checkout, say
+        raise ValueError(
+            f"data.cache_dir {str(cache)!r} cannot be written ({e.strerror or e}): give a "
+            "writable folder"
+        ) from None
     saved = local and _saved_dataset(source)
     files = _corpus_files(Path(source), split) if local and not saved else []
     if files:

@@ -313,3 +313,11 @@ def test_ndjson_files_are_records(tmp_path):
     (tmp_path / "folder").mkdir()
     path.rename(tmp_path / "folder" / path.name)
     assert _texts(tmp_path / "folder") == LINES
+
+
+def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path):
+    # A relative data.cache_dir beside a config file in a read-only checkout: an OSError
+    # traceback ("Read-only file system"); a path through a file, the same.
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"data.cache_dir '.*a_file/cache' cannot be written"):
+        data.prepare_corpus(SONNETS, tmp_path / "a_file" / "cache", VOCAB, 16)
