@@ -423,6 +423,10 @@ class Coordinator:
         from an island that never registered here (refused: register it first)."""
         if not valid_island_id(h.island):
             raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {h.island!r}")
+        if h.incarnation < 1:  # registrations count from 1: 0 or -7 were adopted as they said
+            raise CoordinatorError(
+                422, f"counters out of range: incarnation {h.incarnation} must be >= 1"
+            )
         log.warning(
             "island %s (registration %d, world size %d) is not in this coordinator's state "
             "(older than its registration): taken as registered",

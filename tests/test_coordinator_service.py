@@ -853,6 +853,17 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
         over = {field: too_big, "step": too_big} if field == "steps" else {field: too_big}
         refused(422, "over 2**53", lambda over=over: client.upload_body(body(rank=1, **over)))
     refused(422, "exceed the island's step 4", lambda: client.upload_body(body(rank=1, steps=5)))
+    # Incarnations count from 1: an island unknown here but sending the run's id was adopted
+    # into the table with incarnation 0 or -7, and its upload taken.
+    run = client.plan()["run"]
+    for bad in (0, -7):
+        refused(
+            422,
+            f"incarnation {bad} must be >= 1",
+            lambda bad=bad: client.upload_body(
+                body(island="zz", world_size=1, rank=0, run=run, incarnation=bad)
+            ),
+        )
     refused(
         400,  # int() would read Arabic-Indic digits, "1_0" or " 4" as numbers
         "must be an integer",
