@@ -301,7 +301,7 @@ def _parse_header(raw: memoryview) -> tuple[dict[str, str], list[Entry]]:
     """The metadata and the tensor entries of a header, sorted by data offset."""
     try:
         header = json.loads(bytes(raw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, or an integer past int()'s 4300 digits
         raise WireError(f"malformed body: header is not JSON ({e})") from None
     except RecursionError:  # e.g. "[[[[...": nested deeper than the parser's stack allows
         raise WireError("malformed body: header JSON is nested too deeply") from None

@@ -824,6 +824,9 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     refused(409, "counters disagree", lambda: client.upload_body(body(rank=1, tokens=65)))
     refused(400, "malformed body", lambda: client.upload_body(b"\x00" * 3))
     refused(400, "malformed body", lambda: client.upload_body(body(rank=1)[:-7]))
+    head = b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}  '
+    huge_dim = len(head).to_bytes(8, "little") + head  # past int()'s digits: was a 500
+    refused(400, "header is not JSON", lambda: client.upload_body(huge_dim))
     refused(
         400,
         "missing metadata field 'island'",

@@ -470,6 +470,11 @@ MALFORMED = {
         raw_body({"a": {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [0, 0]}}),
         "tensor 'a' has shape",
     ),
+    "dim with more digits than int() reads": (
+        # json raises a bare ValueError past 4300 digits: it was a 500 from the coordinator.
+        raw_body(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}'),
+        "header is not JSON .*4300 digits",
+    ),
     "trailing bytes": (raw_body({"a": F32_1}, FOUR + b"xyz"), "3 trailing bytes"),
     "data without tensors": (raw_body({}, b"x"), "1 trailing bytes"),
     "metadata value not a string": (
