@@ -141,7 +141,9 @@ class CoordinatorClient:
         self.max_backoff_s = max_backoff_s
         self._token = token
         # (a newline, as from an environment variable set from a file: not a header value)
-        self._headers = {"Authorization": f"Bearer {token.strip()}"}
+        # As UTF-8 bytes, as the coordinator reads it: http.client encodes a str as Latin-1,
+        # so a token that is not ASCII was a wrong token there, or could not be sent at all.
+        self._headers = {"Authorization": b"Bearer " + token.strip().encode()}
         self._local = threading.local()  # this thread's connection
         # Every thread's connection, for close() and interrupt(); dropped with the thread.
         self._conns: weakref.WeakKeyDictionary[threading.Thread, http.client.HTTPConnection]

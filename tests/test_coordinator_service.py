@@ -216,6 +216,17 @@ def test_a_token_with_a_trailing_newline_is_the_token(tiny_config_path, tmp_path
             CoordinatorClient(srv.url, "wrong", retries=0).status()
 
 
+def test_a_token_that_is_not_ascii_is_the_token(tiny_config_path, tmp_path):
+    # The coordinator reads the header as UTF-8; the client sent it as Latin-1: "pässwörd",
+    # the same on both sides, was "wrong bearer token", and "pass€" a UnicodeEncodeError.
+    for token in ("pässwörd", "pass€"):
+        cfg = make_cfg(tiny_config_path, tmp_path / token, token=token)
+        with ServerThread(cfg) as srv:
+            assert CoordinatorClient(srv.url, token, retries=0).status()["versions"] == [0] * 4
+            with pytest.raises(RefusedError, match="wrong bearer token"):
+                CoordinatorClient(srv.url, "passwörd", retries=0).status()
+
+
 def test_the_bearer_scheme_is_case_insensitive(server):
     # "bearer TOKEN" (curl by hand, some clients) was "missing bearer token".
     conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
