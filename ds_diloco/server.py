@@ -159,8 +159,11 @@ class CoordinatorServer:
                 web.delete("/v1/islands/{island}", self.leave),
                 web.post("/v1/islands/{island}/start", self.island_start),
                 web.post("/v1/upload", self.upload),
-                web.get("/v1/fragments", self.next_fragment),
-                web.get("/v1/fragments/{fragment}", self.download),
+                # No HEAD (aiohttp's default on GET routes): the download streams its body
+                # whatever the method, and after a HEAD's headers it was read as the
+                # connection's next answer.
+                web.get("/v1/fragments", self.next_fragment, allow_head=False),
+                web.get("/v1/fragments/{fragment}", self.download, allow_head=False),
             ]
         )
 

@@ -238,6 +238,23 @@ def test_the_bearer_scheme_is_case_insensitive(server):
     conn.close()
 
 
+def test_a_head_request_for_a_download_leaves_the_connection_usable(server):
+    # aiohttp answers HEAD on GET routes; the download handler streamed its body after the
+    # headers anyway, and the connection's next answer was read from the model's bytes.
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/v1/fragments/0?world_size=1&rank=0",
+                 "/v1/fragments?known=-1,-1,-1,-1&wait=0&world_size=1&rank=0"):  # fmt: skip
+        conn.request("HEAD", path, headers=auth)
+        head = conn.getresponse()
+        head.read()
+        conn.request("GET", "/v1/versions", headers=auth)
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (200, {"versions": [0] * 4})
+        assert head.status == 405, head.status  # GET it: a download is for islands
+    conn.close()
+
+
 def test_sync_diloco_round_matches_plain_tensor_reference(server, tiny_config_path):
     theta = server.coord.global_tensors()
     weights = [TOKENS[i] ** 2 / STEPS[i] for i in ISLANDS]
