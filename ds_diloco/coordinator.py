@@ -576,6 +576,12 @@ class Coordinator:
             isl = self._adopt_unknown(h, now)
         elif isl is None:
             raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
+        elif h.run and h.run != self.run_id:  # the same name in another run: merged as this one's
+            raise CoordinatorError(
+                409,
+                f"upload from run {h.run!r}, this coordinator's run is {self.run_id!r}: island "
+                f"{h.island!r} here is another run's (a process of an earlier run still sending?)",
+            )
         if h.incarnation > isl.registrations:
             self._adopt_registration(isl, h, now)
         if isl.left_at is not None:
