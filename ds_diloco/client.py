@@ -349,11 +349,14 @@ class CoordinatorClient:
         have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
         return self._post_json(f"/v1/islands/{_quote(island)}/start").json()
 
-    def leave(self, island: str, incarnation: int | None = None) -> dict:
+    def leave(self, island: str, incarnation: int | None = None, run: str = "") -> dict:
         """The island leaves the run for good (a later register brings it back);
-        ``incarnation``: only if that registration is still the island's current one."""
-        query = "" if incarnation is None else f"?incarnation={incarnation}"
-        return self._request("DELETE", f"/v1/islands/{_quote(island)}{query}").json()
+        ``incarnation``: only if that registration is still the island's current one;
+        ``run``: only if the coordinator's run is this one (its plan's ``run``)."""
+        params = {} if incarnation is None else {"incarnation": incarnation}
+        if run:
+            params["run"] = run
+        return self._request("DELETE", f"/v1/islands/{_quote(island)}", params=params).json()
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

@@ -372,15 +372,23 @@ class Coordinator:
         steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
         return min(steps) if steps else None
 
-    def leave(self, island: str, incarnation: int | None = None) -> dict:
+    def leave(self, island: str, incarnation: int | None = None, run: str = "") -> dict:
         """The island leaves the run for good: it no longer counts as live for any quorum.
 
         ``incarnation`` (the leaving process's registration): a superseded process's leave
-        is refused, as its uploads are. None: whichever incarnation is registered."""
+        is refused, as its uploads are. None: whichever incarnation is registered. ``run``
+        (its run's id, if given): a process of another run's island of the same name is
+        refused, as its uploads are."""
         with self._lock:
             isl = self._islands.get(island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {island!r}")
+            if run and run != self.run_id:  # it took this run's island out of every quorum
+                raise CoordinatorError(
+                    409,
+                    f"leave from run {run!r}, this coordinator's run is {self.run_id!r}: island "
+                    f"{island!r} here is another run's",
+                )
             if incarnation is not None:
                 _check_incarnation("leave", isl, incarnation)
             isl.left_at = time.time()

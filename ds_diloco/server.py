@@ -224,8 +224,8 @@ class CoordinatorServer:
             incarnation = None if raw is None else int(raw)
         except ValueError:
             raise CoordinatorError(400, "leave: incarnation must be an integer") from None
-        island = request.match_info["island"]
-        return web.json_response(await self._run(self.coord.leave, island, incarnation))
+        island, run = request.match_info["island"], request.query.get("run", "")
+        return web.json_response(await self._run(self.coord.leave, island, incarnation, run))
 
     async def plan(self, request):
         return web.json_response(self.coord.plan_info())

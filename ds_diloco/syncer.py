@@ -1362,7 +1362,7 @@ class FragmentSyncer:
     def leave(self, client: CoordinatorClient | None = None) -> None:
         """Tell the coordinator this island is done for good (best effort)."""
         try:
-            (client or self.client).leave(self.island, self.incarnation)
+            (client or self.client).leave(self.island, self.incarnation, run=self.run)
         except Exception as e:
             log.warning("%s/%d could not leave the run: %s", self.island, self.rank, e)
 

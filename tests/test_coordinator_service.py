@@ -871,6 +871,10 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     refused(409, "signature mismatch", lambda: client.register("a", 2, "0" * 64))
     refused(400, "incarnation must be an integer", lambda: client.leave("a", "x"))
     refused(409, "leave from incarnation 7", lambda: client.leave("a", 7))
+    # A process of another run's island "a" leaving took this run's "a" out of every
+    # quorum: its uploads were refused for good (410).
+    refused(409, "another run's", lambda: client.leave("a", 1, run="0123456789abcdef"))
+    assert not server.coord.status()["islands"]["a"]["left"]
     refused(413, "too large", lambda: client.upload_body(b"\x00" * (2**20 + 1)))
     # A small body listing thousands of empty tensors held the event loop ~1 s per request
     # (each built before the names were checked).
