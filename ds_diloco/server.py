@@ -181,6 +181,17 @@ class CoordinatorServer:
                 {"error": f"request body too large: {e.text} (max_body_mb in the config)"},
                 status=413,
             )
+        except web.HTTPMethodNotAllowed as e:  # from the routing: name what was asked
+            allowed = ", ".join(sorted(e.allowed_methods))
+            return web.json_response(
+                {"error": f"{request.method} {request.path}: method not allowed (allowed: "
+                 f"{allowed})"}, status=405, headers={"Allow": allowed},
+            )  # fmt: skip
+        except web.HTTPNotFound:  # (the handlers refuse with CoordinatorError)
+            return web.json_response(
+                {"error": f"no such endpoint: {request.method} {request.path} (see "
+                 "docs/wire-api.md; a wrong path in the coordinator URL?)"}, status=404,
+            )  # fmt: skip
         except web.HTTPException as e:
             if e.status < 400:
                 raise

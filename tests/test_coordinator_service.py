@@ -238,6 +238,23 @@ def test_the_bearer_scheme_is_case_insensitive(server):
     conn.close()
 
 
+def test_an_unknown_endpoint_or_method_is_named_in_its_refusal(server):
+    # Both were a bare "404: Not Found" / "405: Method Not Allowed": a coordinator URL with a
+    # wrong path prefix failed every request naming nothing.
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for method, path, status, text in (
+        ("GET", "/v1/fragment/0", 404, "no such endpoint: GET /v1/fragment/0"),
+        ("GET", "/prefix/healthz", 404, "no such endpoint: GET /prefix/healthz"),
+        ("PUT", "/v1/upload", 405, "PUT /v1/upload: method not allowed (allowed: POST)"),
+    ):
+        conn.request(method, path, headers=auth)
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == status and text in error, (r.status, error)
+    conn.close()
+
+
 def test_a_head_request_for_a_download_leaves_the_connection_usable(server):
     # aiohttp answers HEAD on GET routes; the download handler streamed its body after the
     # headers anyway, and the connection's next answer was read from the model's bytes.
