@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import write_run_file
 
 from ds_diloco import run as run_mod
 from ds_diloco.chaos import harness
-from ds_diloco.chaos.harness import run_diloco
-from ds_diloco.chaos.schedule import Event, Schedule
+from ds_diloco.chaos.harness import RunTarget, run_diloco
+from ds_diloco.chaos.schedule import Event, Injector, Schedule
 from ds_diloco.config import load_run_config
 from ds_diloco.data import as_tensor, heldout_split, prepare_corpus
 from ds_diloco.run import LocalRun
@@ -134,6 +137,37 @@ def test_a_stop_signal_as_the_run_ends_still_stops_its_coordinator(
         leftovers = kill_leftovers(workdir)
     assert "coordinator started" in (workdir / "coordinator.log").read_text()
     assert leftovers.strip() == "", leftovers
+
+
+def test_a_fault_on_an_island_with_no_live_rank_is_logged_as_not_injected(
+    tmp_path, tiny_config_path
+):
+    # Between a launch's death and its restart, or once it finished, an island has no rank
+    # processes: a kill or a stall due then hit nothing, and was logged (and reported in
+    # "events injected") as done.
+    path = write_run_file(tmp_path, tiny_config_path,
+                          [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}],
+                          steps=1)  # fmt: skip
+    lr = LocalRun(load_run_config(path))
+    sleeper = f'{sys.executable} -c "import time; time.sleep(60)" --local_rank=0 & wait $!'
+    lr.islands["a"] = live = subprocess.Popen(["bash", "-c", sleeper], start_new_session=True)
+    lr.islands["b"] = gone = subprocess.Popen(["true"], start_new_session=True)
+    gone.wait()
+    try:
+        deadline = time.monotonic() + 30
+        while 0 not in lr.rank_pids("a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        schedule = Schedule([Event(at_s=0.0, kind="kill_rank", target="a", rank=0),
+                             Event(at_s=0.0, kind="kill_rank", target="b", rank=0)])  # fmt: skip
+        injector = Injector(schedule, RunTarget(lr, {}, {"a": 1, "b": 1}))
+        injector.start(background=False).poll()
+        assert live.wait(10) == 128 + signal.SIGKILL  # its rank was killed
+    finally:
+        if live.poll() is None:
+            os.killpg(live.pid, signal.SIGKILL)
+    log = injector.log
+    assert [(e["target"], e["ok"]) for e in log] == [("a", True), ("b", False)], log
+    assert "island 'b' has no live process for rank(s) [0]" in log[1]["error"], log
 
 
 def test_the_time_of_an_island_given_up_is_read_from_its_progress_records(tmp_path):

@@ -72,11 +72,20 @@ class RunTarget:
         return [self.rank_map(island, r) for r in range(self.sizes[island])]
 
     def _signal(self, island: str, sig, ranks=None) -> None:
+        missing = []
         for job, rank in ranks or self._ranks(island):
             pid = self.lr.rank_pids(job).get(rank)
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
+            try:
+                if pid is None:
+                    raise ProcessLookupError
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                missing.append(rank)
+        if missing:  # the injector logs the event as not applied (it was logged as done)
+            raise ProcessLookupError(
+                f"island {island!r} has no live process for rank(s) {missing} (restarting, "
+                f"finished or given up): not signalled"
+            )
 
     def kill_rank(self, island: str, rank: int) -> None:
         self._signal(island, signal.SIGKILL, [self.rank_map(island, rank)])
@@ -468,12 +477,15 @@ def print_report(r: dict) -> None:
     c = r["chaos"]
     kinds: dict[str, int] = {}
     for e in c["injected"]:
-        if e["action"] == "apply":
+        if e["action"] == "apply" and e["ok"]:
             kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     print("\nds-diloco chaos report")
     print(
         f"  events injected: {sum(kinds.values())} ({', '.join(f'{k} x{n}' for k, n in kinds.items())})"
     )
+    missed = [e for e in c["injected"] if e["action"] == "apply" and not e["ok"]]
+    for e in missed:  # the schedule's event did not happen: not counted above
+        print(f"  not injected: {e['kind']} {e['target']} at {e['at_s']:g}s: {e['error']}")
     print(
         f"  island restarts: {c['restarts'] or 'none'}; coordinator restarts: "
         f"{c['coordinator_restarts']}; given up: {c['given_up'] or 'none'}"
