@@ -750,6 +750,11 @@ class LocalRun:
                 continue
             loss = f"{r['loss']:.3f}" if "loss" in r else "-"  # none before the first step
             step, tokens = r.get("step", 0), r.get("tokens", 0)
+            # One given up trains no more: its last rate and its time left would stand still.
+            if name in self.given_up:
+                what = "superseded" if name in self.superseded else "given up"
+                cells.append(f"{name}: {what} at step {step}/{steps[name]} loss {loss}")
+                continue
             cell = f"{name}: step {step}/{steps[name]} loss {loss} tok {tokens}"
             rate = self.rates.add(name, r.get("seconds"), step, tokens)
             if rate is not None:

@@ -1126,6 +1126,36 @@ def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_co
     assert "coordinator unreachable" in line and "tok/s" not in line and "left" not in line
 
 
+def test_the_progress_line_says_an_island_was_given_up_and_leaves_it_out_of_the_time_left(
+    tmp_path, tiny_config_path
+):
+    # An island given up (its restarts ran out) kept its last rate in the line, as if it
+    # trained on, and its remaining steps held the time left still until the run ended.
+    islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=100)))
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
+    for name in ("a", "b"):
+        lr.island_dir(name).mkdir(parents=True)
+
+    def record(name, **r):
+        with (lr.island_dir(name) / "progress.jsonl").open("a") as f:
+            f.write(json.dumps({"island": name, "loss": 5.0, **r}) + "\n")
+
+    for step in (10, 20):  # a step a second each
+        for name in ("a", "b"):
+            record(name, step=step, tokens=100 * step, seconds=float(step))
+        line = lr.progress_line(client)
+    assert line.endswith("  left ~1m20s"), line
+    lr.given_up.add("a")
+    record("b", step=90, tokens=9000, seconds=90.0)
+    line = lr.progress_line(client)
+    port.close()
+    assert line.startswith("[a: given up at step 20/100 loss 5.000 | b: step 90/100"), line
+    assert line.endswith("  left ~10s"), line  # b's 10 steps, not a's 80
+
+
 def test_a_last_record_longer_than_the_end_read_is_read_whole(tmp_path):
     # An island's last record lists each step's time and memory: past about 2,500 steps it
     # is over the 64 KiB read from the file's end, and the progress line left the island out
