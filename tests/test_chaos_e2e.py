@@ -170,6 +170,34 @@ def test_a_fault_on_an_island_with_no_live_rank_is_logged_as_not_injected(
     assert "island 'b' has no live process for rank(s) [0]" in log[1]["error"], log
 
 
+def test_the_report_names_the_events_that_did_not_happen(capsys):
+    # A run that ended before an event was due (a fast machine), or an event that found no
+    # rank to signal, was reported as "events injected: ..." with no word of it.
+    schedule = Schedule([Event(at_s=0.0, kind="kill_rank", target="a", rank=0),
+                         Event(at_s=0.0, kind="kill_rank", target="b", rank=0),
+                         Event(at_s=90.0, kind="stall", target="a", duration_s=5.0)])  # fmt: skip
+
+    class Ranks:  # "b" has no rank process running
+        def kill_rank(self, island, rank):
+            if island == "b":
+                raise ProcessLookupError("island 'b' has no live process for rank(s) [0]")
+
+    injector = Injector(schedule, Ranks()).start(background=False)
+    injector.poll()
+    injector.stop()  # the run ended before 90 s
+    chaos = {"injected": injector.log, "restarts": {}, "coordinator_restarts": 0,
+             "given_up": [], "merges": [3], "versions_went_backwards": [],
+             "served_versions_changed": [], "served_versions_checked": 3, "all_finite": True,
+             "uptime": 1.0, "heldout_loss_initial": 6.0, "heldout_loss_merged": 5.0,
+             "goodput": 0.5, "time_split": {"stale_dropped": 0.0, "trained_not_used": 0.2,
+                                            "not_training": 0.3}}  # fmt: skip
+    harness.print_report({"schedule": schedule.to_dict(), "chaos": chaos})
+    out = capsys.readouterr().out
+    assert "events injected: 1 (kill_rank x1)" in out, out
+    assert "not injected: kill_rank b at 0s: ProcessLookupError: island 'b' has no live" in out
+    assert "not injected: stall a at 90s: the run ended before it was due" in out, out
+
+
 def test_the_time_of_an_island_given_up_is_read_from_its_progress_records(tmp_path):
     """A given-up island's last launch wrote no summary: its time comes from its records
     (it failed the report of the whole chaos run with FileNotFoundError)."""

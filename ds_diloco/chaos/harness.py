@@ -486,6 +486,11 @@ def print_report(r: dict) -> None:
     missed = [e for e in c["injected"] if e["action"] == "apply" and not e["ok"]]
     for e in missed:  # the schedule's event did not happen: not counted above
         print(f"  not injected: {e['kind']} {e['target']} at {e['at_s']:g}s: {e['error']}")
+    applied = {e["event"] for e in c["injected"] if e["action"] == "apply"}
+    for i, e in enumerate(r["schedule"]["events"]):  # in time order, as the injector's
+        if i not in applied:  # the run was over first: the injector stopped before it
+            print(f"  not injected: {e['kind']} {e['target']} at {e['at_s']:g}s: the run "
+                  "ended before it was due")  # fmt: skip
     print(
         f"  island restarts: {c['restarts'] or 'none'}; coordinator restarts: "
         f"{c['coordinator_restarts']}; given up: {c['given_up'] or 'none'}"
