@@ -44,7 +44,7 @@ import torch
 
 from ds_diloco import orphan_exit
 from ds_diloco.cli import INPUT_ERROR_EXIT
-from ds_diloco.client import CoordinatorClient, TLSError
+from ds_diloco.client import CoordinatorClient, RefusedError, TLSError
 from ds_diloco.config import TOKEN_ENV, IslandConfig, RunConfig, parse_include
 from ds_diloco.global_eval import HELDOUT_BLOCKS
 from ds_diloco.learner import LearnerError
@@ -711,10 +711,32 @@ class LocalRun:
                 _signal_group(p, signal.SIGTERM)
             for p in self.islands.values():
                 _wait(p, 30)
+            self._leave_stopped()
             if self.coordinator is not None:
                 _signal_group(self.coordinator, signal.SIGTERM)
                 _wait(self.coordinator, 60)
             self.rank_watch.close()
+
+    def _leave_stopped(self) -> None:
+        """Tell the coordinator that the islands stopped here (or given up) left the run, as
+        a finished island does itself: killed, they could not, and the time until a
+        ``--resume`` registers them again counted as allocated to them (goodput). Not a
+        finished one (its leave is when it finished) nor a superseded one (another launch
+        of it is the island now)."""
+        names = [
+            n for n, p in self.islands.items() if p.returncode != 0 and n not in self.superseded
+        ]
+        if not names or self.coordinator is None or self.coordinator.poll() is not None:
+            return
+        client = CoordinatorClient(self.url, self.token, retries=0, timeout_s=HEALTH_TIMEOUT_S,
+                                   ca_file=self.ca_file)  # fmt: skip
+        for name in names:
+            try:
+                client.leave(name)
+            except RefusedError:  # never registered (stopped while starting)
+                continue
+            except Exception:  # unreachable or hung: its state stays as it is
+                return
 
     def discard_state(self) -> None:
         """After ``stop``: the coordinator state of a fresh run stopped before its islands

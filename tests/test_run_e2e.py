@@ -748,6 +748,45 @@ def test_a_restarted_coordinator_that_exits_while_starting_is_one_more_death(
     assert died == ["coordinator died", "coordinator restarted"] * 2 + ["coordinator given up"]
 
 
+def test_islands_stopped_with_the_run_leave_it_and_the_stop_is_not_allocated_to_them(
+    tmp_path, tiny_config_path
+):
+    # Stopped (Ctrl-C), an island never said it left: at --resume, the time the run stood
+    # stopped counted as allocated to it, and the run's goodput fell by that much.
+    islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=1))
+    lr = LocalRun(cfg)
+    try:
+        client = lr.start_coordinator()
+        signature = client.plan()["signature"]
+        for name in ("a", "b"):
+            client.register(name, 1, signature)
+        # "a" trains when the run is stopped; "b" had finished (and left, at its own time).
+        lr.islands["a"] = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        lr.islands["b"] = subprocess.Popen(["true"], start_new_session=True)
+        lr.islands["b"].wait()
+        client.leave("b")
+        time.sleep(1.0)
+    finally:
+        lr.stop()
+    stopped = time.time()
+    table = json.loads((Path(cfg.coordinator.state_dir) / "coordinator.json").read_text())
+    a, b = table["islands"]["a"], table["islands"]["b"]
+    assert a["left_at"] is not None and a["left_at"] <= stopped, a
+    assert b["left_at"] < a["left_at"] - 0.9, (a, b)  # its own leave is kept
+    time.sleep(3.0)  # the run stands stopped
+    again = LocalRun(cfg, fresh=False)
+    try:
+        again.start_coordinator().register("a", 1, signature)
+        back = time.time()
+    finally:
+        again.stop()
+    a = json.loads((Path(cfg.coordinator.state_dir) / "coordinator.json").read_text())["islands"][
+        "a"
+    ]
+    assert back - a["joined_at"] < (stopped - table["islands"]["a"]["joined_at"]) + 1.0, a
+
+
 def test_a_coordinator_killed_on_purpose_by_a_chaos_schedule_is_no_death(
     tmp_path, tiny_config_path
 ):
