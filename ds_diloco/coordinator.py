@@ -368,8 +368,14 @@ class Coordinator:
         return clock if math.isfinite(clock) else None
 
     def _fastest_step_s(self) -> float | None:
-        """The fastest island's inner step time (None before any is measured)."""
-        steps = [i.step_time.value for i in self._islands.values() if i.step_time.value]
+        """The fastest island's inner step time (None before any is measured). Not one that
+        left the run: it waits for no result and moves no schedule, and a fast island that
+        finished first kept the others' grace window at its own step time."""
+        steps = [
+            i.step_time.value
+            for i in self._islands.values()
+            if i.step_time.value and i.left_at is None
+        ]
         return min(steps) if steps else None
 
     def leave(self, island: str, incarnation: int | None = None, run: str = "") -> dict:

@@ -113,6 +113,32 @@ def test_quorum_then_grace_window_then_merge(tiny_config_path, tmp_path):
     assert coord.status()["last_merge"]["0"]["islands"] == ["a", "b"]
 
 
+def test_the_grace_window_follows_the_fastest_island_still_in_the_run(tiny_config_path, tmp_path):
+    # A fast island that finished first and left kept the grace window at its step time:
+    # the islands still training lost their stragglers' uploads to rounds closed early.
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.5, max_grace_s=10.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy)
+    for island in ("a", "b", "c"):
+        coord.register(island, 1, coord.plan.signature)
+    for island in ("a", "b", "c"):
+        send(coord, island, 1, step=2)
+    clock.now += 2.0
+    send(coord, "a", 1, step=4)  # "a": a step a second
+    clock.now += 2.0
+    for island in ("b", "c"):  # two seconds a step
+        send(coord, island, 1, step=4)
+    assert coord.poll(1).merge
+    coord.leave("a")
+    for island in ("b", "c"):
+        coord.touch(island)
+    send(coord, "b", 0, step=4)
+    d = coord.decide(0)
+    # grace = gamma x (tau x 2 s - (quorum + sync)): ~1 s, not ~0.5 s from a's step time
+    assert not d.merge and "step 2.000s" in d.reason, d.reason
+    assert 0.5 < d.wait_until - clock.now <= 1.0, d  # (less the merge time measured)
+
+
 def test_synchronous_k_equals_m_waits_for_every_island(tiny_config_path, tmp_path):
     clock = Clock()
     coord = make(tiny_config_path, tmp_path / "s", clock, policy=PolicyOptions(min_quorum=3, tau=1))
