@@ -594,7 +594,8 @@ class Coordinator:
             raise CoordinatorError(
                 409,
                 f"upload from run {h.run!r}, this coordinator's run is {self.run_id!r}: island "
-                f"{h.island!r} here is another run's (a process of an earlier run still sending?)",
+                f"{h.island!r} here is another run's (a process of an earlier run still "
+                f"sending?): {wire.SUPERSEDED}",  # it stops, as a superseded launch does
             )
         if h.incarnation > isl.registrations:
             self._adopt_registration(isl, h, now)

@@ -870,6 +870,8 @@ def test_every_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
     # An island of the same name in another run (a process left from an earlier one, its
     # coordinator restarted on a new state dir): it was merged into this run's model.
     refused(409, "another run's", lambda: client.upload_body(body(rank=1, run="0123456789abcdef")))
+    # ... and it stops (the syncer stops its island on this phrase, as a superseded launch)
+    refused(409, wire.SUPERSEDED, lambda: client.upload_body(body(rank=1, run="0123456789abcdef")))
     refused(400, "malformed body", lambda: client.upload_body(b"\x00" * 3))
     refused(400, "malformed body", lambda: client.upload_body(body(rank=1)[:-7]))
     head = b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}  '
