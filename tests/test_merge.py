@@ -194,7 +194,14 @@ def test_merge_fragment_single_contribution_is_identity():
 def test_segment_sq_norms_accumulates_long_segments_accurately():
     x = torch.randn(300_001, generator=torch.Generator().manual_seed(2)) + 0.5
     segs = [Segment("a", 0, 3), Segment("b", 3, 299_998)]
-    got = segment_sq_norms(x, segs)
+    # On one thread (a one-core coordinator), where each BLAS dot is one fp32 sum: with
+    # 2^18-element chunks it was 1.2e-6 off, and passed only where torch had 2 threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = segment_sq_norms(x, segs)
+    finally:
+        torch.set_num_threads(threads)
     assert got.dtype == torch.float64
     want = torch.stack([(x[:3].double() ** 2).sum(), (x[3:].double() ** 2).sum()])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
