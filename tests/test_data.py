@@ -289,8 +289,13 @@ def test_split_blocks_partitions_twice(blocks):
     assert sorted(seen) == list(range(n))
     assert torch.equal(data.split_blocks(blocks, 3, 1), blocks[tagged[1::3]])
     assert torch.equal(data.split_blocks(blocks, 1, 0), blocks)
-    for bad in [(0, 0), (3, 3), (3, -1), (n + 1, 0)]:
-        with pytest.raises(ValueError):
+    # Each refusal names its own cause: with one check gone, (0, 0) still raised (the
+    # shard's "must be in [0, 0)"), and an unmatched ValueError let that pass.
+    for bad, said in [((0, 0), r"^num_shards=0: must be at least 1"),
+                      ((3, 3), r"^shard=3: must be in \[0, 3\)"),
+                      ((3, -1), r"^shard=-1: must be in \[0, 3\)"),
+                      ((n + 1, 0), rf"^{n} blocks cannot give {n + 1} non-empty shards")]:  # fmt: skip
+        with pytest.raises(ValueError, match=said):
             data.split_blocks(blocks, *bad)
 
 
@@ -301,9 +306,12 @@ def test_heldout_split_is_deterministic_and_disjoint(blocks):
     assert sorted([*train.tolist(), *held.tolist()]) == rows.tolist()
     assert torch.equal(data.heldout_split(rows, 0.1, seed=3)[1], held)
     assert not torch.equal(data.heldout_split(rows, 0.1, seed=4)[1], held)
-    for bad in [0.0, 1.0]:
-        with pytest.raises(ValueError):
+    for bad in [0.0, 1.0]:  # 1.0 was also refused as "cannot hold out n": matched here
+        with pytest.raises(ValueError, match=rf"^fraction={bad}: must be in \(0, 1\)"):
             data.heldout_split(rows, bad, seed=0)
+    # A fraction in range that leaves no block to train on.
+    with pytest.raises(ValueError, match=r"^3 blocks cannot hold out 3 and keep some"):
+        data.heldout_split(rows[:3], 0.9, seed=0)
 
 
 def _take(loader, n):
