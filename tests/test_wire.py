@@ -250,6 +250,15 @@ def test_a_download_reads_into_dest_and_leaves_the_unchanged_slices_kept_as_they
         wire.read_fragment_into(io.BytesIO(twice), len(twice), dest, keep={"b"})
 
 
+@pytest.mark.parametrize("hlen", [2**64 - 1, wire.MAX_HEADER_BYTES + 1, 100])
+def test_a_download_whose_header_length_does_not_fit_is_refused_before_it_is_read(hlen):
+    # Without the check the header's buffer was allocated at its stated length: 2**64-1
+    # raised OverflowError (not a WireError), 16 MiB was allocated for a 10-byte body.
+    body = struct.pack("<Q", hlen) + b"{}"
+    with pytest.raises(wire.WireError, match=rf"header length {hlen} does not fit a 10-byte"):
+        wire.read_fragment_into(io.BytesIO(body), len(body), {"a": torch.zeros(3)})
+
+
 def test_keep_masks_round_trip_and_a_bad_one_is_named():
     names = [f"t{i}" for i in range(70)]
     for keep in ({"t0"}, {"t3", "t69"}, set(names)):
