@@ -180,3 +180,11 @@ def test_a_state_file_damaged_outside_the_coordinator_is_named_in_the_error(tmp_
     path.write_bytes(path.read_bytes()[:20])  # truncated
     with pytest.raises(ValueError, match=r"state file .*frag-00000\.safetensors is damaged"):
         store.read_fragment(0)
+    # A fragment's file copied over another's (by hand, from another state dir): read as
+    # the fragment its name says, its values would have gone to the wrong parameters.
+    store.write_fragment(1, 3, torch.arange(4.0), {})
+    (tmp_path / "fragments" / "frag-00002.safetensors").write_bytes(
+        (tmp_path / "fragments" / "frag-00001.safetensors").read_bytes()
+    )
+    with pytest.raises(ValueError, match=r"frag-00002\.safetensors holds fragment 1, expected 2"):
+        store.read_fragment(2)
