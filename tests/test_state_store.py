@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import threading
@@ -64,6 +66,35 @@ def test_without_the_swap_the_spare_is_renamed_over_the_file(tmp_path, monkeypat
     for data in (b"one", b"two", b"three"):
         atomic_write(path, data, keep_spare=True)
         assert path.read_bytes() == data and not spare_path(path).exists()
+
+
+@exchange
+def test_a_file_system_without_the_swap_falls_back_and_other_failures_are_raised(
+    tmp_path, monkeypatch
+):
+    # The fallback was only ever reached with _exchange itself stood in for: which errors
+    # mean "this file system cannot swap" (rename instead) was never checked.
+    path = tmp_path / "f.bin"
+    for data in (b"one", b"two"):  # the spare now exists: the next write swaps
+        atomic_write(path, data, keep_spare=True)
+    with pytest.raises(FileNotFoundError):  # the real call: a failure that is not "cannot"
+        state_store._exchange(tmp_path / "missing", path)
+
+    def failing(err):
+        def renameat2(*args):
+            ctypes.set_errno(err)
+            return -1
+
+        return renameat2
+
+    for err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        monkeypatch.setattr(state_store, "_renameat2", failing(err))
+        atomic_write(path, errno.errorcode[err].encode(), keep_spare=True)
+        assert path.read_bytes() == errno.errorcode[err].encode()
+    monkeypatch.setattr(state_store, "_renameat2", failing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        atomic_write(path, b"lost", keep_spare=True)
+    assert path.read_bytes() == errno.errorcode[errno.EOPNOTSUPP].encode()  # the last kept
 
 
 def test_a_crash_before_the_swap_leaves_the_old_file_whole(tmp_path, monkeypatch):
