@@ -82,10 +82,26 @@ def test_prometheus_text_is_well_formed_and_carries_the_figures():
 
 
 def test_the_process_metrics_are_prometheus_process_collectors_and_this_processs_own():
-    stats = process_stats()
+    import resource
+
     import psutil
 
     me = psutil.Process()
+    before = sum(me.cpu_times()[:2])  # user + system, as Prometheus's collector counts
+    stats = process_stats()
+    after = sum(me.cpu_times()[:2])
+    # Checked against this process's own figures: "> 0" alone let user - system through,
+    # and the hard limit of descriptors for the soft one.
+    assert before <= stats["cpu_seconds_total"] <= after, (before, stats, after)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert stats.get("max_fds") == (None if soft == resource.RLIM_INFINITY else soft), stats
+    # A soft limit under the hard one (RLIM_INFINITY is -1 here: not a bound).
+    lower = min(v for v in (soft, hard, 4096) if v != resource.RLIM_INFINITY) - 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lower, hard))
+    try:
+        assert process_stats()["max_fds"] == lower
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert 0.5 < stats["resident_memory_bytes"] / me.memory_info().rss < 2, stats
     assert stats["virtual_memory_bytes"] >= stats["resident_memory_bytes"], stats
     assert stats["cpu_seconds_total"] > 0 and stats["open_fds"] >= 3, stats
