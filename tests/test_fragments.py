@@ -227,6 +227,9 @@ def test_plan_from_json_rejects_tampering(llama):
         )
     with pytest.raises(ValueError, match="exactly once"):
         FragmentPlan.from_json({**d, "fragments": [d["fragments"][0], d["fragments"][1][1:]]})
+    # Refused by the plan itself (build's own check, tested above, is not reached here).
+    with pytest.raises(ValueError, match=r"^strategy must be one of .*, got 'random'"):
+        FragmentPlan.from_json({**d, "strategy": "random"})
 
 
 def test_plan_fragment_of_unknown_name(llama):
