@@ -31,6 +31,9 @@ def test_another_slot_or_an_unknown_first_death_starts_no_streak_of_the_same_slo
     assert out is None and state.streak == (0, 1)
     same, out, why = after_death(state, (0, 1), None, after=2, quarantine_s=60, now=2)
     assert out is None and same.streak == (0, 1) and why == "no rank was seen dying first"
+    for rank in (2, -1):  # not a rank of this launch: unknown too (-1 is not the last slot)
+        same, out, why = after_death(state, (0, 1), rank, after=2, quarantine_s=60, now=2)
+        assert (out, same.streak, why) == (None, (0, 1), "no rank was seen dying first"), rank
     _, out, _ = after_death(state, (0, 1), 0, after=2, quarantine_s=60, now=3)
     assert out == 0
 
