@@ -27,7 +27,27 @@ def build_model(source: ModelSource):
         if not os.path.isdir(source.pretrained):
             raise ValueError(f"model.pretrained {source.pretrained!r} is not a folder")
         _check_model_config(Path(source.pretrained), "model.pretrained")
-        return AutoModelForCausalLM.from_pretrained(source.pretrained, dtype=torch.float32)
+        # Transformers fills a tensor the checkpoint lacks with a random init and prints a
+        # report: the run then fine-tuned a model that is partly not the pretrained one.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.pretrained, dtype=torch.float32, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # named below, not a RuntimeError to see "above"
+        )  # fmt: skip
+        missing = sorted(info.get("missing_keys") or ())
+        mismatched = sorted(str(k[0] if isinstance(k, tuple) else k)
+                            for k in info.get("mismatched_keys") or ())  # fmt: skip
+        if missing or mismatched:
+            what = "; ".join(
+                f"{len(names)} {how} (e.g. {names[0]!r})"
+                for names, how in ((missing, "missing"), (mismatched, "of another shape than config.json's"))
+                if names
+            )  # fmt: skip
+            raise ValueError(
+                f"model.pretrained {source.pretrained!r}: its weights do not give the whole "
+                f"model: parameters {what}; they would start random. The folder is incomplete "
+                "or its config.json is another model's"
+            )
+        return model
     path = source.config
     if not os.path.exists(path):
         raise ValueError(f"model.config {path!r} does not exist")

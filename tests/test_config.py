@@ -713,6 +713,47 @@ def test_a_model_that_is_not_one_is_refused_naming_the_key_when_built(tmp_path):
         build_model(ModelSource(pretrained=str(tmp_path / "empty")))
 
 
+def test_a_pretrained_folder_whose_weights_miss_or_misfit_a_parameter_is_refused(
+    tmp_path, tiny_config_path
+):
+    """The coordinator's initial global model is the pretrained one whole: transformers
+    fills a tensor the checkpoint lacks with a random init (a printed report, and the run
+    fine-tuned a partly random model), and a shape that does not fit is its RuntimeError
+    pointing at a report 'above'. Sharded, tied, .bin-only and bf16 folders load exactly."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_model(ModelSource(config=tiny_config_path, seed=3))
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    (tmp_path / "bin").mkdir()
+    model.config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    for folder in ("sharded", "bin"):
+        got = dict(build_model(ModelSource(pretrained=str(tmp_path / folder))).named_parameters())
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    got = build_model(ModelSource(pretrained=str(tmp_path / "bf16")))
+    assert all(p.dtype == torch.float32 for p in got.parameters())
+    assert all(torch.equal(p, want[n].bfloat16().float()) for n, p in got.named_parameters())
+
+    model.float().save_pretrained(tmp_path / "partial")
+    weights = tmp_path / "partial" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"partial': .*1 missing \(e\.g\. 'model\.layers\.1\.mlp\.up_proj"
+    ):
+        build_model(ModelSource(pretrained=str(tmp_path / "partial")))
+    config = json.loads((tmp_path / "partial" / "config.json").read_text())
+    config["intermediate_size"] += 8
+    shutil.copytree(tmp_path / "sharded", tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"other': .*of another shape than config\.json's"):
+        build_model(ModelSource(pretrained=str(tmp_path / "other")))
+
+
 def test_json_file_and_coordinator_section(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**MINIMAL, "num_fragments": 2, "sync_every": 4}))
