@@ -124,6 +124,33 @@ def check_tokenizer_fits(tokenizer, source: ModelSource, name: str | None) -> No
             "(an IndexError in every rank's first step); use the model's own tokenizer or a "
             "model with a larger vocabulary"
         )
+    if source.pretrained and name and Path(name).resolve() != Path(source.pretrained).resolve():
+        _check_same_vocabulary(tokenizer, source.pretrained, name)
+
+
+def _check_same_vocabulary(tokenizer, pretrained: str, name: str) -> None:
+    """A ``data.tokenizer`` other than the pretrained model's own gives its ids the model's
+    tokens: with another vocabulary (a BPE trained on the corpus, another model's) the run
+    fine-tuned on text the model read as other words, its pretraining lost, and exported
+    that tokenizer with it. Tokens added on top (special ones, chat markers) may differ."""
+    from ds_diloco.data import load_tokenizer
+
+    try:
+        own = load_tokenizer(pretrained, "model.pretrained")
+    except ValueError:
+        return  # the folder holds no tokenizer: nothing to compare with
+    added = set(tokenizer.get_added_vocab().values()) | set(own.get_added_vocab().values())
+    theirs = {i: t for t, i in tokenizer.get_vocab().items() if i not in added}
+    ours = {i: t for t, i in own.get_vocab().items() if i not in added}
+    differ = [i for i in sorted(theirs.keys() & ours.keys()) if theirs[i] != ours[i]]
+    if differ:
+        i = differ[0]
+        raise ValueError(
+            f"data.tokenizer {name!r} has another vocabulary than model.pretrained's own "
+            f"tokenizer ({len(differ)} of the ids both have are other tokens, e.g. id {i} is "
+            f"{theirs[i]!r}, the model's {ours[i]!r}): the model would read the text as other "
+            "words; leave data.tokenizer out to use the model's"
+        )
 
 
 def model_signature(source: ModelSource) -> str:

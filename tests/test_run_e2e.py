@@ -1539,6 +1539,45 @@ def test_a_freeze_typo_a_tokenizer_past_the_vocabulary_and_too_long_sequences_ar
     run_mod.check_islands_inputs(load_run_config(tmp_path / "r.json"), tok)  # fits
 
 
+def test_a_data_tokenizer_with_another_vocabulary_than_the_pretrained_models_is_refused(
+    tmp_path, tiny_config_path
+):
+    # A BPE trained on the corpus (or another model's tokenizer) in data.tokenizer beside
+    # model.pretrained: its ids fit the embeddings, and the run fine-tuned on text the model
+    # read as other words (SmolLM2 with the corpus's BPE: held-out loss 11.4 at the start)
+    # and exported that tokenizer with it. The model's own tokenizer elsewhere, with a chat
+    # template or a token added on top, is the same vocabulary.
+    from ds_diloco.config import ModelSource
+    from ds_diloco.data import load_tokenizer, train_tokenizer
+    from ds_diloco.hf_model import build_model
+
+    model = tmp_path / "pretrained"
+    build_model(ModelSource(config=tiny_config_path, seed=0)).save_pretrained(model)
+    train_tokenizer([REPO / "tests" / "data" / "sonnets.txt"], 500, model)  # room for 1 more
+    other = tmp_path / "other.txt"
+    other.write_text("the quick brown fox jumps over the lazy dog. " * 50 + "zyx wvu " * 80)
+    train_tokenizer([other], 300, tmp_path / "bpe")
+    run = json.loads(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], 2).read_text())
+    run["model"] = {"pretrained": str(model)}
+    (tmp_path / "r.json").write_text(json.dumps(run))
+    cfg = load_run_config(tmp_path / "r.json")
+    run_mod.check_islands_inputs(cfg, load_tokenizer(cfg.data.tokenizer))  # its own
+    run["data"]["tokenizer"] = str(tmp_path / "bpe")
+    (tmp_path / "r.json").write_text(json.dumps(run))
+    cfg = load_run_config(tmp_path / "r.json")
+    with pytest.raises(ValueError, match=r"data.tokenizer '\S+bpe' has another vocabulary than "
+                       r"model.pretrained's own tokenizer \(\d+ of the ids"):  # fmt: skip
+        run_mod.check_islands_inputs(cfg, load_tokenizer(cfg.data.tokenizer))
+    tok = load_tokenizer(model)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.save_pretrained(tmp_path / "chat")
+    run["data"]["tokenizer"] = str(tmp_path / "chat")
+    (tmp_path / "r.json").write_text(json.dumps(run))
+    cfg = load_run_config(tmp_path / "r.json")
+    run_mod.check_islands_inputs(cfg, load_tokenizer(cfg.data.tokenizer))
+
+
 def test_an_inner_step_accumulates_micro_batches_and_the_lr_follows_its_schedule(
     tmp_path, tiny_config_path
 ):
