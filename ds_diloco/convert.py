@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ds_diloco.export import DTYPES, check_out_folder, replacing_folder
+from ds_diloco.hf_model import LOADING_INFO, check_loaded
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,12 @@ def gguf_to_hf(
     _check_gguf(path)
 
     where, name = str(path.parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
+    model, info = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=name, dtype=dtype, **_dequantize_kwargs(), **LOADING_INFO
     )
+    # A tensor the file lacks (or one transformers does not map) was a random init, saved
+    # as the converted model's: a run started from it as if pretrained.
+    check_loaded(info, f"GGUF file {str(path)!r}")
     tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
     _drop_quantization(model)
     packed = sorted(

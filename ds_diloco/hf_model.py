@@ -27,26 +27,10 @@ def build_model(source: ModelSource):
         if not os.path.isdir(source.pretrained):
             raise ValueError(f"model.pretrained {source.pretrained!r} is not a folder")
         _check_model_config(Path(source.pretrained), "model.pretrained")
-        # Transformers fills a tensor the checkpoint lacks with a random init and prints a
-        # report: the run then fine-tuned a model that is partly not the pretrained one.
         model, info = AutoModelForCausalLM.from_pretrained(
-            source.pretrained, dtype=torch.float32, output_loading_info=True,
-            ignore_mismatched_sizes=True,  # named below, not a RuntimeError to see "above"
-        )  # fmt: skip
-        missing = sorted(info.get("missing_keys") or ())
-        mismatched = sorted(str(k[0] if isinstance(k, tuple) else k)
-                            for k in info.get("mismatched_keys") or ())  # fmt: skip
-        if missing or mismatched:
-            what = "; ".join(
-                f"{len(names)} {how} (e.g. {names[0]!r})"
-                for names, how in ((missing, "missing"), (mismatched, "of another shape than config.json's"))
-                if names
-            )  # fmt: skip
-            raise ValueError(
-                f"model.pretrained {source.pretrained!r}: its weights do not give the whole "
-                f"model: parameters {what}; they would start random. The folder is incomplete "
-                "or its config.json is another model's"
-            )
+            source.pretrained, dtype=torch.float32, **LOADING_INFO
+        )
+        check_loaded(info, f"model.pretrained {source.pretrained!r}")
         return model
     path = source.config
     if not os.path.exists(path):
@@ -55,6 +39,31 @@ def build_model(source: ModelSource):
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(source.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+LOADING_INFO = {"output_loading_info": True, "ignore_mismatched_sizes": True}
+"""``from_pretrained`` arguments for :func:`check_loaded`: what did not load is named there,
+not a RuntimeError pointing at a report printed "above"."""
+
+
+def check_loaded(info: dict, where: str) -> None:
+    """Refuse a load (``from_pretrained(..., **LOADING_INFO)``'s info) that left parameters
+    of the model out: transformers fills a tensor the checkpoint lacks (or has in another
+    shape) with a random init and prints a report, and the run fine-tuned a model that was
+    partly not the pretrained one."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k)
+                        for k in info.get("mismatched_keys") or ())  # fmt: skip
+    if missing or mismatched:
+        what = "; ".join(
+            f"{len(names)} {how} (e.g. {names[0]!r})"
+            for names, how in ((missing, "missing"), (mismatched, "of another shape than its config's"))
+            if names
+        )  # fmt: skip
+        raise ValueError(
+            f"{where}: its weights do not give the whole model: parameters {what}; they "
+            "would start random. The checkpoint is incomplete or its config is another model's"
+        )
 
 
 def initial_params(source: ModelSource, save_config_to: str | None = None):

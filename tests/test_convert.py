@@ -119,3 +119,57 @@ def test_a_truncated_gguf_is_one_line_naming_it(tmp_path, capsys, where):
     assert err.startswith("ds-diloco: error: GGUF file ") and "\n" not in err, err
     assert str(cut) in err and "truncated" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "whole.gguf"]  # no out
+
+
+def llama_gguf(path, drop=()):
+    """A one-layer Llama GGUF with a gpt2 tokenizer (the gguf package's own writer): every
+    tensor transformers maps, less those in ``drop``."""
+    import gguf
+    import numpy as np
+
+    d, ff, vocab = 16, 32, 8
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(32)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<s>", "</s>", "a", "b", "c", "d", "ab", "cd"])
+    w.add_token_types([3, 3, 1, 1, 1, 1, 1, 1])
+    w.add_token_merges(["a b", "c d"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+    shapes.update({f"blk.0.{n}.weight": (d,) for n in ("attn_norm", "ffn_norm")})
+    shapes.update({f"blk.0.attn_{n}.weight": (d, d) for n in ("q", "k", "v", "output")})
+    shapes.update({"blk.0.ffn_gate.weight": (ff, d), "blk.0.ffn_up.weight": (ff, d),
+                   "blk.0.ffn_down.weight": (d, ff)})  # fmt: skip
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name not in drop:
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_lacking_a_tensor_is_refused_naming_it(tmp_path):
+    # Transformers filled the tensor with a random init and printed a report; the folder
+    # written held it as the converted model's, and a run fine-tuned it as pretrained.
+    import gguf
+
+    whole = llama_gguf(tmp_path / "whole.gguf")
+    out = gguf_to_hf(whole, tmp_path / "whole")
+    want = gguf.GGUFReader(whole).tensors[-1]  # blk.0.ffn_down, as written (numpy: reversed)
+    got = AutoModelForCausalLM.from_pretrained(out).model.layers[0].mlp.down_proj.weight
+    assert torch.equal(got, torch.from_numpy(want.data.copy()))
+    cut = llama_gguf(tmp_path / "cut.gguf", drop=["blk.0.ffn_up.weight"])
+    with pytest.raises(ValueError, match=r"cut\.gguf': .*1 missing \(e\.g\. 'model\.layers\.0"
+                       r"\.mlp\.up_proj\.weight'\); they would start random"):  # fmt: skip
+        gguf_to_hf(cut, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
