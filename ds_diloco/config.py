@@ -943,6 +943,7 @@ def _check_model(model: ModelSource, where: str, contents: bool = False) -> None
     if Path(model.pretrained).is_dir():
         if contents:
             _check_model_config(Path(model.pretrained), f"{where}.pretrained")
+            check_model_weights(Path(model.pretrained), f"{where}.pretrained")
         return
     path = os.path.normpath(model.pretrained)
     if "smollm2" in path.lower():  # launch/finetune-smollm2.yaml's model (launch/finetune.sh)
@@ -970,6 +971,31 @@ def _check_model_config(path: Path, where: str) -> None:
             f"{where}: {str(file)!r} is not a Hugging Face model config (no model_type); "
             "model configs are in model_configs/"
         )
+
+
+def check_model_weights(folder: Path, where: str) -> None:
+    """The weight files of a pretrained ``folder`` open: a git-lfs pointer (a model repo
+    cloned without git-lfs) or a file cut short (an interrupted copy) failed in the
+    coordinator, after the data was prepared, as a SafetensorError naming neither the file
+    nor the folder ("header too large", "file not fully covered")."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        with open(file, "rb") as f:
+            if f.read(64).startswith(b"version https://git-lfs"):
+                raise ValueError(
+                    f"{where} {str(folder)!r}: {file.name} is a git-lfs pointer, not the "
+                    "weights: fetch them (`git lfs pull` in the model's clone)"
+                )
+        if file.suffix == ".safetensors":
+            try:
+                with safe_open(str(file), "pt"):
+                    pass
+            except Exception as e:  # safetensors' SafetensorError, from its Rust module
+                raise ValueError(
+                    f"{where} {str(folder)!r}: {file.name} cannot be read ({e}): an "
+                    "incomplete copy or download?"
+                ) from None
 
 
 def _model_vocab_size(model: ModelSource) -> int | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ds_diloco.config import ModelSource, _check_model_config
+from ds_diloco.config import ModelSource, _check_model_config, check_model_weights
 
 
 def build_model(source: ModelSource):
@@ -27,6 +27,7 @@ def build_model(source: ModelSource):
         if not os.path.isdir(source.pretrained):
             raise ValueError(f"model.pretrained {source.pretrained!r} is not a folder")
         _check_model_config(Path(source.pretrained), "model.pretrained")
+        check_model_weights(Path(source.pretrained), "model.pretrained")
         model, info = AutoModelForCausalLM.from_pretrained(
             source.pretrained, dtype=torch.float32, **LOADING_INFO
         )

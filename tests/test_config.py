@@ -754,6 +754,29 @@ def test_a_pretrained_folder_whose_weights_miss_or_misfit_a_parameter_is_refused
         build_model(ModelSource(pretrained=str(tmp_path / "other")))
 
 
+@pytest.mark.parametrize("damage", ["lfs", "cut"])
+def test_a_pretrained_folder_with_a_weight_file_that_is_not_one_is_refused_naming_it(
+    tmp_path, tiny_config_path, damage
+):
+    """A model repo cloned without git-lfs holds pointers, an interrupted copy a file cut
+    short: the coordinator failed after the data was prepared, with a SafetensorError naming
+    neither the file nor the folder ('header too large'). Now the run file is refused."""
+    model = tmp_path / "conf" / "hf"
+    build_model(ModelSource(config=tiny_config_path)).save_pretrained(model, max_shard_size="100KB")
+    shard = sorted(model.glob("*.safetensors"))[1]
+    if damage == "lfs":
+        shard.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+        why = r"is a git-lfs pointer, not the weights: fetch them"
+    else:
+        shard.write_bytes(shard.read_bytes()[:-100])
+        why = r"cannot be read \(.*\): an incomplete copy or download"
+    message = rf"^model.pretrained '\S+/hf': {shard.name} {why}"
+    with pytest.raises(ValueError, match=message):
+        load_run_config(write_run(tmp_path / "conf", {"model": {"pretrained": "hf"}}))
+    with pytest.raises(ValueError, match=message):  # a coordinator's own config
+        build_model(ModelSource(pretrained=str(model)))
+
+
 def test_json_file_and_coordinator_section(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**MINIMAL, "num_fragments": 2, "sync_every": 4}))
