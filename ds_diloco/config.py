@@ -980,7 +980,7 @@ def check_model_weights(folder: Path, where: str) -> None:
     nor the folder ("header too large", "file not fully covered")."""
     from safetensors import safe_open
 
-    for file in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+    for file in _weight_files(folder):
         with open(file, "rb") as f:
             if f.read(64).startswith(b"version https://git-lfs"):
                 raise ValueError(
@@ -996,6 +996,24 @@ def check_model_weights(folder: Path, where: str) -> None:
                     f"{where} {str(folder)!r}: {file.name} cannot be read ({e}): an "
                     "incomplete copy or download?"
                 ) from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The weight files ``from_pretrained`` reads from ``folder``, in its order of preference
+    (others, such as a Mistral repo's consolidated.safetensors, are not its to read)."""
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json"):  # fmt: skip
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".json"):
+            return [path]
+        try:
+            shards = set(json.loads(path.read_text())["weight_map"].values())
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            return []  # from_pretrained names what is wrong with the index
+        return [folder / s for s in sorted(shards) if (folder / s).is_file()]
+    return []
 
 
 def _model_vocab_size(model: ModelSource) -> int | None:

@@ -763,9 +763,14 @@ def test_a_pretrained_folder_with_a_weight_file_that_is_not_one_is_refused_namin
     neither the file nor the folder ('header too large'). Now the run file is refused."""
     model = tmp_path / "conf" / "hf"
     build_model(ModelSource(config=tiny_config_path)).save_pretrained(model, max_shard_size="100KB")
-    shard = sorted(model.glob("*.safetensors"))[1]
+    # A file from_pretrained does not read (a Mistral repo's, its LFS object left unfetched)
+    # is not the model's.
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n"
+    (model / "consolidated.safetensors").write_text(pointer)
+    load_run_config(write_run(tmp_path / "conf", {"model": {"pretrained": "hf"}}))
+    shard = sorted(model.glob("model-*.safetensors"))[1]
     if damage == "lfs":
-        shard.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+        shard.write_text(pointer)
         why = r"is a git-lfs pointer, not the weights: fetch them"
     else:
         shard.write_bytes(shard.read_bytes()[:-100])
