@@ -99,9 +99,14 @@ def check_freeze(patterns: Sequence[str], names: Sequence[str]) -> None:
     would silently train everything."""
     for pattern in patterns:
         if not any(re.search(pattern, name) for name in names):
+            like = f"they are named like {names[0]!r}"
+            if re.search(pattern, "lm_head.weight") and not any("lm_head" in n for n in names):
+                # A tied head (SmolLM2's, GPT-2's) is the embedding, listed once under its name.
+                emb = next((n for n in names if re.search(r"embed|wte", n)), names[0])
+                like = (f"its output layer lm_head is tied to the input embeddings, listed once "
+                        f"as {emb!r}: freeze that")  # fmt: skip
             raise ValueError(
-                f"train.freeze: {pattern!r} matches no parameter of the model "
-                f"(they are named like {names[0]!r})"
+                f"train.freeze: {pattern!r} matches no parameter of the model ({like})"
             )
 
 

@@ -244,6 +244,11 @@ def test_freeze_params_refuses_a_pattern_that_matches_nothing_or_everything(tiny
     # A typo would otherwise train everything, silently.
     with pytest.raises(ValueError, match=r"train.freeze: 'embed_token\$' matches no parameter"):
         zero.freeze_params(model(), [r"embed_token$"])
+    # The model's head is tied: the pattern that would freeze it is the embedding's.
+    with pytest.raises(ValueError, match=r"'lm_head' matches no parameter of the model \(its "
+                       r"output layer lm_head is tied to the input embeddings, listed once as "
+                       r"'model\.embed_tokens\.weight': freeze that\)"):  # fmt: skip
+        zero.freeze_params(model(), ["lm_head"])
     with pytest.raises(ValueError, match=r"freezes every parameter"):
         zero.freeze_params(model(), ["."])
 
