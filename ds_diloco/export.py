@@ -294,6 +294,15 @@ def check_out_folder(out: str | os.PathLike) -> Path:
         )
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file, not a folder")
+    # The export is written beside ``out`` (parents made): a file on the way, or a folder it
+    # may not write, was a traceback once the whole model had been downloaded and built.
+    nearest = out.parent
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ValueError(f"output folder {str(out)!r}: {nearest} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"output folder {str(out)!r}: {nearest} is not writable")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(
             f"output folder {str(out)!r} is not empty and holds no earlier export (no "

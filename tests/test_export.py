@@ -383,6 +383,28 @@ def test_a_folder_that_is_not_an_export_is_not_replaced(served, tmp_path):
         export_model(config, tensors, ".")
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_download(
+    served, tmp_path, monkeypatch, capsys
+):
+    # Beneath a file, or in a folder it may not write: a FileExistsError or PermissionError
+    # traceback once the whole model had been downloaded and built.
+    (tmp_path / "notes.txt").write_text("mine")
+    calls = []
+    monkeypatch.setattr(CoordinatorClient, "download", _counting(CoordinatorClient.download, calls))
+    for out in (tmp_path / "notes.txt" / "hf", tmp_path / "notes.txt" / "a" / "hf"):
+        argv = ["export", "--from", served.url, "--out", str(out), "--token", TOKEN]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"ds-diloco: error: output folder {str(out)!r}: "
+                       f"{tmp_path / 'notes.txt'} is a file, not a folder"]  # fmt: skip
+    assert not calls
+    access = os.access  # tmp_path read-only (root may write anywhere)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: access(p, mode) and p != tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path} is not writable"):
+        export(served.state_dir, tmp_path / "hf")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 # --------------------------------------------------------------- errors
 def test_a_state_dir_missing_a_fragment_is_named_in_one_line(served, tmp_path, capsys):
     state = tmp_path / "state"
