@@ -46,6 +46,12 @@ def evaluate_global(
     from ds_diloco.hf_model import mean_loss
 
     g = load_global(source, token, ca_file=ca_file)
+    vocab, top = g.config.get("vocab_size"), int(heldout.max())
+    if vocab is not None and top >= vocab:  # else an IndexError traceback from the embedding
+        raise ValueError(
+            f"the held-out blocks hold token id {top}, beyond the model's vocab_size {vocab}: "
+            "the data section's tokenizer is not the model's"
+        )
     model = global_model(g.config, g.tensors).to(device)
     del g.tensors  # on a GPU: the host copies go
     loss = mean_loss(model, heldout)

@@ -81,6 +81,29 @@ def test_eval_of_a_state_dir_is_the_loss_of_its_model_on_the_islands_heldout_blo
     )
 
 
+def test_heldout_ids_beyond_the_models_vocabulary_are_named_in_one_line(
+    tiny_config_path, tmp_path, capsys
+):
+    # Another run's data section, its tokenizer larger than the model's 512 ids: an
+    # IndexError traceback from the embedding once the model had been read.
+    Coordinator(_coord_cfg(tiny_config_path, tmp_path / "state"))
+    data = tmp_path / "other.yaml"
+    data.write_text(yaml.safe_dump({"data": {
+        "path": str(REPO / "tests" / "data"), "vocab_size": 1024, "seq_len": 32,
+        "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.05}}))  # fmt: skip
+    top = int(heldout_blocks(load_data_config(data), 8).max())
+    assert top >= 512
+    code = cli_main(
+        ["eval", "--from", str(tmp_path / "state"), "--data", str(data), "--blocks", "8"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"ds-diloco: error: the held-out blocks hold token id {top}, beyond the model's "
+        "vocab_size 512: the data section's tokenizer is not the model's"
+    )
+
+
 def test_a_watch_evaluates_now_and_after_every_n_merges(tiny_config_path, data_file, tmp_path):
     srv = ServerThread(_coord_cfg(tiny_config_path, tmp_path / "state"))
     out = tmp_path / "evals.jsonl"
