@@ -118,9 +118,15 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 
 def resolve_token(repo_id: str, token: str | None = None) -> str:
-    """The Hub token (given, else $HF_TOKEN, else the login file); checked before a long export."""
+    """The Hub token (given, else $HF_TOKEN, else the login file); checked before a long
+    export, with ``repo_id``'s form (huggingface_hub checks it only at the push)."""
     from huggingface_hub import get_token
+    from huggingface_hub.utils import validate_repo_id
 
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as e:  # HFValidationError
+        raise ValueError(f"Hub repo {repo_id!r} is not a valid repo id: {e}") from None
     token = token or get_token()
     if not token:
         raise ValueError(

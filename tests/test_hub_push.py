@@ -327,6 +327,21 @@ def test_push_needs_a_token_before_exporting(hub, state_dir, tmp_path, monkeypat
     assert not (tmp_path / "hf").exists() and not hub.requests
 
 
+@pytest.mark.parametrize("repo", ["me/my model", "a/b/c", "me/x--y"])
+def test_a_repo_id_the_hub_refuses_is_named_before_exporting(
+    repo, state_dir, tmp_path, monkeypatch, capsys
+):
+    # Found by huggingface_hub only at the push: after the export (minutes from a live
+    # coordinator), or at the end of a whole `ds-diloco run`.
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    argv = ["export", "--from", str(state_dir), "--out", str(tmp_path / "hf"),
+            "--push-to-hub", repo]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ds-diloco: error: Hub repo {repo!r} is not a valid repo id: "), err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_hub_errors_are_one_line(hub, tmp_path, monkeypatch):
     folder = tmp_path / "f"
     folder.mkdir()
