@@ -149,6 +149,7 @@ def _export(args) -> int:
         max_shard_size=args.max_shard_size,
         run_summary=args.run_summary,
         repo=args.push_to_hub,
+        revision=args.revision,
     )
     n = sum(t.numel() for t in g.tensors.values())
     lo, hi = min(g.versions), max(g.versions)

@@ -512,11 +512,13 @@ def export(
     max_shard_size: int | str = "2GB",
     run_summary: RunSummary | str | os.PathLike | None = None,
     repo: str | None = None,
+    revision: str | None = None,
     ca_file: str | None = None,
 ) -> GlobalModel:
     """The global model of ``source`` (URL or state directory) as a Hugging Face
-    folder with a model card. ``repo``: the Hub repo it is for (names the card);
-    ``ca_file``: see :func:`load_global`."""
+    folder with a model card. ``repo``, ``revision``: the Hub repo and branch it is for
+    (the card is named after the repo, and loads from that branch); ``ca_file``: see
+    :func:`load_global`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     shard_size_bytes(max_shard_size)
@@ -530,6 +532,6 @@ def export(
     title = repo.split("/")[-1] if repo else Path(out).resolve().name
     saved = str(DTYPES[dtype]).removeprefix("torch.")
     card = model_card(g, run_summary, title=title, dtype=saved, tokenizer=tokenizer is not None,
-                      repo=repo)  # fmt: skip
+                      repo=repo, revision=revision)  # fmt: skip
     (Path(out) / "README.md").write_text(card)
     return g

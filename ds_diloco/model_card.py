@@ -160,8 +160,10 @@ def model_card(
     dtype: str = "float32",
     tokenizer: bool = False,
     repo: str | None = None,
+    revision: str | None = None,
 ) -> str:
-    """README.md of an exported model: Hub metadata, the run's figures, how to load it."""
+    """README.md of an exported model: Hub metadata, the run's figures, how to load it
+    (from ``repo`` at branch ``revision`` when it is pushed there)."""
     import yaml
 
     s = summary or RunSummary()
@@ -235,11 +237,13 @@ def model_card(
             out.append(f"| {_cell(n)} | {_or(ranks(n))} | {_or(t.tokens, '{:,}')} | {_or(t.steps)} | "
                        f"{_or(c.get('merged'))} | {_or(c.get('dropped'))} |")  # fmt: skip
         out.append("")
-    where = repo or "PATH/TO/THIS/FOLDER"
+    where = f'"{repo}"' if repo else '"PATH/TO/THIS/FOLDER"'
+    if repo and revision and revision != "main":  # else the snippet loads main: another model
+        where += f', revision="{revision}"'
     out += ["## Use", "", "```python",
             "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tokenizer else ""),
-            "", f'model = AutoModelForCausalLM.from_pretrained("{where}")']  # fmt: skip
+            "", f"model = AutoModelForCausalLM.from_pretrained({where})"]  # fmt: skip
     if tokenizer:
-        out.append(f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
+        out.append(f"tokenizer = AutoTokenizer.from_pretrained({where})")
     out += ["```", ""]
     return "\n".join(out)

@@ -277,6 +277,19 @@ def test_push_to_an_existing_repo_on_a_branch(hub, tmp_path):
     assert hub.repos["someone/x"] == {}
 
 
+def test_the_card_of_a_push_to_a_branch_loads_that_branch(hub, state_dir, tmp_path):
+    # Its snippet loaded the repo's main branch: another model, or none at all.
+    train_tokenizer([SONNETS], 384, tmp_path / "tok")
+    argv = ["export", "--from", str(state_dir), "--out", str(tmp_path / "hf"), "--tokenizer",
+            str(tmp_path / "tok"), "--push-to-hub", "someone/x", "--revision", "ckpt-100"]  # fmt: skip
+    assert cli.main(argv) == 0
+    (commit,) = hub.commits
+    card = commit["files"]["README.md"].decode()
+    assert commit["revision"] == "ckpt-100"
+    assert 'AutoModelForCausalLM.from_pretrained("someone/x", revision="ckpt-100")' in card
+    assert 'AutoTokenizer.from_pretrained("someone/x", revision="ckpt-100")' in card
+
+
 def test_a_push_deletes_the_weights_and_tokenizer_files_it_replaces(hub, tmp_path):
     # Pushes only added files: a sharded export over a single-file one left model.safetensors
     # there, which from_pretrained loads before the index (the old model), and an earlier
