@@ -526,6 +526,23 @@ def export(
     if run_summary is not None and not isinstance(run_summary, RunSummary):
         run_summary = load_run_summary(run_summary)
     g = load_global(source, token, ca_file=ca_file)
+    write_export(g, out_dir, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                 run_summary=run_summary, repo=repo, revision=revision)  # fmt: skip
+    return g
+
+
+def write_export(
+    g: GlobalModel,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    max_shard_size: int | str = "2GB",
+    run_summary: RunSummary | None = None,
+    repo: str | None = None,
+    revision: str | None = None,
+) -> str:
+    """:func:`export` of a model already read (:func:`load_global`); returns the folder."""
     out = export_model(g.config, g.tensors, out_dir, tokenizer=tokenizer,
                        max_shard_size=max_shard_size, dtype=dtype,
                        generation_config=g.generation_config)  # fmt: skip
@@ -534,4 +551,4 @@ def export(
     card = model_card(g, run_summary, title=title, dtype=saved, tokenizer=tokenizer is not None,
                       repo=repo, revision=revision)  # fmt: skip
     (Path(out) / "README.md").write_text(card)
-    return g
+    return out

@@ -71,17 +71,20 @@ class PeriodicExport(EveryMerges):
 
     def work(self, merges: int) -> None:
         from ds_diloco.data import section_tokenizer
-        from ds_diloco.export import export
+        from ds_diloco.export import load_global, write_export
         from ds_diloco.model_card import RunSummary
         from ds_diloco.run import card_settings
 
         d = self.cfg.data
         tok = section_tokenizer(d)
-        out = self.lr.workdir / "exports" / f"merges-{merges}"
         try:
             settings = RunSummary.from_json(card_settings(self.cfg))  # the card's run settings
-            export(self.lr.url, out, token=self.lr.token, tokenizer=tok, ca_file=self.lr.ca_file,
-                   repo=self.cfg.push_to_hub, run_summary=settings)  # fmt: skip
+            g = load_global(self.lr.url, self.lr.token, ca_file=self.lr.ca_file)
+            # Named after the merges it holds (those made since ``merges`` set it off too),
+            # as its card and the evaluations at the same versions count them.
+            out = self.lr.workdir / "exports" / f"merges-{sum(g.merges or [merges])}"
+            write_export(g, out, tokenizer=tok, repo=self.cfg.push_to_hub, run_summary=settings)
+            del g  # its tensors (the whole model) go before the push
             if self.cfg.push_to_hub:
                 from ds_diloco.hub import push_folder
 

@@ -48,3 +48,34 @@ def test_a_resumed_run_goes_on_after_the_merges_made_already_and_zero_means_neve
     never.maybe(status(100))
     never.finish(status(200))
     assert never.calls == []
+
+
+def test_a_periodic_export_is_named_after_the_merges_it_holds(tmp_path, tiny_config_path, capsys):
+    # Named after the merges that set it off, it held those made before its download too:
+    # "exports/merges-6", its card "7 merges in all", beside "[eval] ... at 7 merges".
+    import json
+    import types
+
+    from conftest import write_run_file
+    from test_export import TOKEN, make_cfg, merge_one_round
+
+    from ds_diloco.config import load_run_config
+    from ds_diloco.data import prepare_section
+    from ds_diloco.live_model import PeriodicExport
+    from ds_diloco.server import ServerThread
+
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], steps=1))
+    prepare_section(cfg.data)  # the run's tokenizer, as the run prepares it first
+    srv = ServerThread(make_cfg(tiny_config_path, tmp_path / "state"))
+    try:
+        merge_one_round(srv)  # 4 merges, one per fragment
+        lr = types.SimpleNamespace(url=srv.url, token=TOKEN, ca_file=None, workdir=tmp_path)
+        PeriodicExport(cfg, lr).work(3)  # set off at 3 merges
+    finally:
+        srv.stop()
+    out = tmp_path / "exports" / "merges-4"
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["merges-4"]
+    assert f"[export] {out}" in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert "# merges-4" in card and "(4 fragments, 4 merges in all)" in card
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
