@@ -184,8 +184,15 @@ def model_card(
         merges_line = NOT_GIVEN
     o = s.outer
     h, tau = g.schedule.get("sync_every", o.H), g.schedule.get("overlap", o.tau)
+    # A summary written at other merges (a run resumed since) measured other weights: its
+    # held-out loss and tokens were given as these weights' own.
+    other = s.merges is not None and g.merges is not None and list(s.merges) != list(g.merges)
+    at = f"the run summary's, of the model at {sum(s.merges or ())} merges; these weights are at "
+    at += f"{sum(g.merges or ())}"
     if s.heldout_loss_after is None:
         loss = "not measured"
+    elif other:
+        loss = f"not measured for these weights ({s.heldout_loss_after:.4f}: {at})"
     elif s.heldout_loss_before is None:
         loss = f"{s.heldout_loss_after:.4f}"
     else:
@@ -196,7 +203,9 @@ def model_card(
         "license of the base": s.base_license or "not given: check the base model's license",
         "data": _or(s.data),
         "islands": f"{len(names)}: {sizes}" if names else NOT_GIVEN,
-        "tokens": f"{sum(tokens):,}" if names and len(tokens) == len(names) else NOT_GIVEN,
+        "tokens": (f"{sum(tokens):,}" + (f" ({at})" if other else ""))
+        if names and len(tokens) == len(names)
+        else NOT_GIVEN,
         "merges per fragment": merges_line,
         "outer optimizer": f"{_or(o.name)}, lr {_or(o.lr)}, momentum {_or(o.momentum)}",
         "schedule": f"H = {_or(h)} inner steps between syncs of a fragment, "

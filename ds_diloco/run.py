@@ -1385,6 +1385,9 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
         export_dir = lr.workdir / "export"
         g = export(cfg.coordinator.state_dir, export_dir, tokenizer=tok, repo=cfg.push_to_hub)
         summary["export"] = str(export_dir)
+        # The export's: with the merges made durable after the table's last save (a crashed
+        # coordinator's), which the card would take for another model's figures.
+        summary["merges"] = g.merges
     if ended:
         summary.update({**initial, **evaluate(cfg, export_dir, heldout)})
     (lr.workdir / "summary.json").write_text(json.dumps(summary, indent=1))

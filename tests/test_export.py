@@ -630,6 +630,24 @@ def test_export_from_a_live_coordinator_with_the_run_figures(served, tmp_path, c
     ]
 
 
+def test_the_run_summarys_figures_of_other_weights_are_not_given_as_theirs(served, tmp_path):
+    # A summary.json written at 3 merges (a run since resumed), the weights exported at 4:
+    # the card gave the summary's held-out loss and tokens as those of these weights.
+    (tmp_path / "summary.json").write_text(json.dumps({**SUMMARY, "merges": [1, 1, 1, 0]}))
+    export(served.url, tmp_path / "hf", token=TOKEN, run_summary=tmp_path / "summary.json")
+    _, rows, _ = card_parts(tmp_path / "hf" / "README.md")
+    at = "the run summary's, of the model at 3 merges; these weights are at 4"
+    assert rows["final held-out loss"] == f"not measured for these weights (2.7183: {at})"
+    assert rows["tokens"] == f"13,345 ({at})"
+    assert rows["merges per fragment"] == "1 (4 fragments, 4 merges in all)"
+    # The summary of these weights: its figures are theirs.
+    (tmp_path / "summary.json").write_text(json.dumps({**SUMMARY, "merges": [1, 1, 1, 1]}))
+    export(served.url, tmp_path / "hf", token=TOKEN, run_summary=tmp_path / "summary.json")
+    _, rows, _ = card_parts(tmp_path / "hf" / "README.md")
+    assert rows["final held-out loss"] == "2.7183 (from 3.2109 before the run)"
+    assert rows["tokens"] == "13,345"
+
+
 def test_model_card_without_a_summary_says_what_is_unknown(served, tmp_path):
     export(served.state_dir, tmp_path / "hf", dtype="bf16")
     meta, rows, islands = card_parts(tmp_path / "hf" / "README.md")
