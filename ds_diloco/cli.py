@@ -134,15 +134,18 @@ def _status(args) -> int:
 def _export(args) -> int:
     from ds_diloco.export import export
     from ds_diloco.hub import push_folder, resolve_token
+    from ds_diloco.status_view import resolve_token as resolve_coordinator_token
 
     if args.push_to_hub:
         resolve_token(args.push_to_hub)  # before the export, not after it
     elif args.private or args.revision:
         raise ValueError("--private and --revision go with --push-to-hub REPO")
+    # As status and eval take it: the token file `ds-diloco run` writes and names.
+    token = resolve_coordinator_token(args, args.source) if args.token_file else args.token
     g = export(
         args.source,
         args.out,
-        token=args.token,
+        token=token,
         ca_file=args.ca_file,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
@@ -225,9 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", default=None, help="a tokenizer folder to save alongside")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors file")
     e.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="saved dtype")
-    e.add_argument(
+    etk = e.add_mutually_exclusive_group()
+    etk.add_argument(
         "--token", default=None, help="bearer token for a URL (default: $DS_DILOCO_TOKEN)"
     )
+    etk.add_argument("--token-file", default=None, metavar="FILE",
+                     help="read it from FILE (the coordinator's state_dir/token)")  # fmt: skip
     e.add_argument("--ca-file", default=None, metavar="PEM", help=CA_FILE_HELP)
     e.add_argument("--run-summary", metavar="JSON", default=None,
                    help="the run's figures for the model card (see ds_diloco/model_card.py)")  # fmt: skip

@@ -487,6 +487,16 @@ def test_cli_export(served, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ds-diloco: error: ")
     assert "401: wrong bearer token" in err[0]
 
+    # The token file `ds-diloco run` writes, as status and eval read it.
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    argv = ["export", "--from", served.url, "--out", str(tmp_path / "y"), "--token-file",
+            str(tmp_path / "token")]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert (tmp_path / "y" / "model.safetensors").is_file()
+    argv[-1] = str(tmp_path / "none")
+    assert cli.main(argv) == 2
+    assert "--token-file" in capsys.readouterr().err
+
 
 # --------------------------------------------------------------- a live, consistent export
 def merge_fragments(url: str, fragments: list[int], base_version: int, step: int) -> None:
