@@ -119,8 +119,9 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 def resolve_token(repo_id: str, token: str | None = None) -> str:
     """The Hub token (given, else $HF_TOKEN, else the login file); checked before a long
-    export, with ``repo_id``'s form (huggingface_hub checks it only at the push)."""
-    from huggingface_hub import get_token
+    export, with ``repo_id``'s form and the offline mode (huggingface_hub finds them only at
+    the push)."""
+    from huggingface_hub import constants, get_token
     from huggingface_hub.utils import validate_repo_id
 
     try:
@@ -132,4 +133,6 @@ def resolve_token(repo_id: str, token: str | None = None) -> str:
         raise ValueError(
             f"pushing to {repo_id} needs a Hugging Face token: set $HF_TOKEN or run `hf auth login`"
         )
+    if constants.is_offline_mode():  # as push_folder would find it, after the export
+        raise ValueError(f"cannot push to {repo_id}: $HF_HUB_OFFLINE is set")
     return token

@@ -355,6 +355,22 @@ def test_a_repo_id_the_hub_refuses_is_named_before_exporting(
     assert not (tmp_path / "hf").exists()
 
 
+def test_push_in_offline_mode_is_refused_before_exporting(state_dir, tmp_path, monkeypatch, capsys):
+    # Found only at the push: after the export, or at the end of a whole `ds-diloco run`.
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = ["export", "--from", str(state_dir), "--out", str(tmp_path / "hf"),
+            "--push-to-hub", "someone/x"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "ds-diloco: error: cannot push to someone/x: $HF_HUB_OFFLINE is set\n"
+    )
+    assert not (tmp_path / "hf").exists()
+
+
 def test_hub_errors_are_one_line(hub, tmp_path, monkeypatch):
     folder = tmp_path / "f"
     folder.mkdir()
