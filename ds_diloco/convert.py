@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -63,14 +64,17 @@ def gguf_to_hf(
         dtype = DTYPES[dtype]
     _check_gguf(path)
 
-    where, name = str(path.parent), path.name
-    model, info = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=name, dtype=dtype, **_dequantize_kwargs(), **LOADING_INFO
-    )
-    # A tensor the file lacks (or one transformers does not map) was a random init, saved
-    # as the converted model's: a run started from it as if pretrained.
-    check_loaded(info, f"GGUF file {str(path)!r}")
-    tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    # Read from a folder holding the GGUF alone: transformers takes a tokenizer_config.json or
+    # tokenizer.json beside it (another model's, in a shared folder) over the GGUF's own.
+    with tempfile.TemporaryDirectory() as alone:
+        (Path(alone) / path.name).symlink_to(path.resolve())
+        model, info = AutoModelForCausalLM.from_pretrained(
+            alone, gguf_file=path.name, dtype=dtype, **_dequantize_kwargs(), **LOADING_INFO
+        )
+        # A tensor the file lacks (or one transformers does not map) was a random init, saved
+        # as the converted model's: a run started from it as if pretrained.
+        check_loaded(info, f"GGUF file {str(path)!r}")
+        tok = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
     _drop_quantization(model)
     packed = sorted(
         {type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(
     "(launch/setup.sh installs both)",
 )
 
+SONNETS = Path(__file__).parent / "data" / "sonnets.txt"
 TEXT = [
     "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
     "def add(a, b):\n    return a + b  # naïve, but it works — 100%",
@@ -81,6 +83,24 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of"):
         gguf_to_hf(smollm2_gguf(), tmp_path / "out", dtype="int8")
     assert not (tmp_path / "out").exists()
+
+
+def test_another_models_files_beside_the_gguf_are_not_taken_for_its_own(tmp_path):
+    # A GGUF kept in a folder with another model's tokenizer files: the folder came out with
+    # that tokenizer (512 tokens, no chat template) beside SmolLM2's weights, without a word.
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smollm2.gguf").symlink_to(smollm2_gguf())
+    data.train_tokenizer([SONNETS], 512, folder)  # tokenizer.json, tokenizer_config.json
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512}))
+    out = gguf_to_hf(folder / "smollm2.gguf", tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 49152 and (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert "<|im_start|>user\nHi<|im_end|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False
+    )
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["vocab_size"]) == ("llama", 49152)
 
 
 def small_gguf(path):
