@@ -340,7 +340,7 @@ class LocalRun:
         log.flush()
         with stop_deferred():
             self.coordinator = subprocess.Popen(
-                [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(path)],
+                self.coordinator_command(path),
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
@@ -349,6 +349,12 @@ class LocalRun:
         self._health = CoordinatorClient(self.url, self.token, retries=0,
                                          timeout_s=HEALTH_TIMEOUT_S, ca_file=c.tls_cert)  # fmt: skip
         self._mark("coordinator_spawned_s")
+
+    def coordinator_command(self, config: Path) -> list[str]:
+        """The coordinator process's argv, its config at ``config`` (a subclass serving
+        another coordinator, e.g. bench quality's stale-merge prototype, changes it here:
+        every start and restart goes through :meth:`spawn_coordinator`)."""
+        return [sys.executable, "-m", "ds_diloco.cli", "coordinator", "--config", str(config)]
 
     def wait_for_coordinator(self) -> CoordinatorClient:
         """A client once the spawned coordinator answers (at most ``COORDINATOR_START_S``)."""

@@ -397,3 +397,46 @@ def test_setup_names_the_outer_settings_by_flag():
         Setup(outer_lr=-1.0)
     with pytest.raises(ValueError, match=r"--momentum must be in \[0, 1\)"):
         Setup(momentum=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_stale_next_variant_serves_the_stale_merge_prototype(tmp_path, tiny_config_path):
+    # bench quality starts a run's coordinator with spawn_coordinator: StaleMergeRun overrode
+    # start_coordinator alone, so its variants ran the stock coordinator's discount mode (a
+    # stale arrival merged in a round of its own) under the label "stale merged next round".
+    import time
+
+    from ds_diloco.bench.stale_merge import StaleMergeRun
+    from ds_diloco.fragments import FragmentPlan
+
+    s = small_setup(tmp_path, tiny_config_path)
+    cfg = run_config(s, s.method("stale-next", "decoupled", stale="next"), tmp_path / "sn")
+    lr = StaleMergeRun(cfg, max_staleness=1)
+    lr.spawn_coordinator()
+    try:
+        client = lr.wait_for_coordinator()
+        assert "ds_diloco.bench.stale_merge" in lr.coordinator.args, lr.coordinator.args
+        plan = FragmentPlan.from_json(client.plan()["plan"])
+        frag = plan.fragments[0]
+        for island in ("a", "b"):
+            client.register(island, 1, plan.signature)
+        delta = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+
+        def upload(island: str, base: int) -> dict:
+            h = wire.UploadHeader(island=island, rank=0, world_size=1, fragment=0,
+                                  base_version=base, step=4, tokens=100, steps=4)  # fmt: skip
+            return client.upload(h, rank_slices(frag, delta, 1, 0))
+
+        def version_after(seconds: float, until: int) -> int:
+            deadline = time.monotonic() + seconds
+            while client.versions()[0] < until and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return client.versions()[0]
+
+        assert upload("a", 0)["status"] == "accepted" and version_after(10, 1) == 1
+        # b's, one version stale: kept for the next fresh round, it opens none of its own.
+        assert upload("b", 0)["status"] == "accepted"
+        assert version_after(2, 2) == 1
+        client.close()
+    finally:
+        lr.stop()

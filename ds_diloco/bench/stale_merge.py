@@ -34,19 +34,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
-import subprocess
 import sys
-import time
 
 import torch
 
-from ds_diloco.client import CoordinatorClient
 from ds_diloco.coordinator import Coordinator
 from ds_diloco.merge import merge_fragment, staleness_weight, token_weight
 from ds_diloco.round_policy import RoundState
-from ds_diloco.run import LocalRun, free_port, plain_dict
+from ds_diloco.run import LocalRun
 
 
 class _SplitStep:
@@ -172,32 +168,14 @@ class StaleMergeRun(LocalRun):
         super().__init__(cfg)
         self.max_staleness, self.stale_sgd = max_staleness, stale_sgd
 
-    def start_coordinator(self) -> CoordinatorClient:  # LocalRun's, with this module's server
-        c = self.cfg.coordinator
-        port = self._port = getattr(self, "_port", None) or c.port or free_port()
-        coord = {**plain_dict(c), "port": port}
-        coord.pop("token", None)
-        path = self.workdir / "coordinator.json"
-        path.write_text(json.dumps(coord, indent=1))
-        log = (self.workdir / "coordinator.log").open("w")
-        argv = [sys.executable, "-m", __name__, "--config", str(path)]
-        self.coordinator = subprocess.Popen(
-            [*argv, "--max-staleness", str(self.max_staleness)] + ["--stale-sgd"] * self.stale_sgd,
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        host = "127.0.0.1" if c.host in ("0.0.0.0", "") else c.host
-        self.url = f"http://{host}:{port}"
-        client = CoordinatorClient(self.url, self.token, retries=0, timeout_s=10)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.coordinator.poll() is not None:
-                raise RuntimeError(f"coordinator exited: see {self.workdir / 'coordinator.log'}")
-            try:
-                client.health()
-                return client
-            except Exception:
-                time.sleep(0.2)
-        raise RuntimeError("coordinator did not come up within 120 s")
+    def coordinator_command(self, config) -> list[str]:
+        # LocalRun's spawn (every start, bench quality's included) with this module's server.
+        # Overriding start_coordinator alone left spawn_coordinator, which bench quality
+        # calls, serving the stock coordinator: the stale-next variants ran its discount mode.
+        argv = [sys.executable, "-m", __name__, "--config", str(config)]
+        return [*argv, "--max-staleness", str(self.max_staleness)] + [
+            "--stale-sgd"
+        ] * self.stale_sgd
 
 
 if __name__ == "__main__":
