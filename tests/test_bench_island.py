@@ -262,3 +262,44 @@ def test_paired_launches_too_short_for_both_sides_are_refused_before_any_launch(
     err = capsys.readouterr().err
     assert "--steps 10 leaves a paired launch no timed step with the syncer" in err, err
     assert "raise --steps or lower --paired-blocks" in err
+
+
+def _summary(rank: int, peak: float, step_s: float = 0.1) -> dict:
+    """A rank's summary as ``run_island`` writes it, with the fields the report reads."""
+    return {
+        "rank": rank, "steps": 8, "step_times_s": [step_s] * 8, "peak_rss_mb": peak,
+        "shard_fp32_mb": 8.0, "train_s": 0.7, "sync_s": 0.1, "setup_rss_mb": peak - 10,
+        "step_rss_mb": [peak - 5] * 8, "setup_anon_mb": None, "step_anon_mb": None,
+        "stats": None, "loop_stats": None,
+    }  # fmt: skip
+
+
+def test_json_gives_the_memory_verdict_of_the_memory_launches_alone(tmp_path, tiny_config_path):
+    # Default allocator: ds_diloco +30 MB a rank (allocator noise), over the 8 MB shard; the
+    # memory launches: +6 MB, met. The report gives the verdict on the memory launches alone
+    # ("no verdict" on the others); the JSON's rows said rss_met False beside it.
+    from ds_diloco.bench.island import IslandBench, Launch
+
+    def launch(mode: str, peak: float, exact: bool) -> Launch:
+        x = Launch(mode=mode, repeat=0, ranks=[_summary(0, peak), _summary(1, peak)], warmup=2,
+                   launch_s=10.0, island_cpu_s=5.0, exact_memory=exact)  # fmt: skip
+        x.coordinator_cpu_s = None if mode == "plain" else 0.5
+        return x
+
+    bench = IslandBench(
+        launches=[
+            launch("plain", 600, False), launch("ds_diloco", 630, False),
+            launch("plain", 500, True), launch("ds_diloco", 506, True),
+        ],
+        world_size=2, steps=8, warmup=2,
+    )  # fmt: skip
+    cfg = tiny_run(tmp_path, tiny_config_path)
+    assert all(m.met for m in bench.memory_rows())
+    assert "(met)" in format_report(bench, cfg) and "MISSED" not in format_report(bench, cfg)
+    summary = to_json(bench, cfg)
+    assert all(m["met"] for m in summary["memory_rows"])
+    assert [r["rss_met"] for r in summary["rows"]] == [None] * 3, summary["rows"]
+    # Without memory launches the timed ones give the verdict, in the report and the JSON.
+    bench.launches = bench.launches[:2]
+    assert "(MISSED)" in format_report(bench, cfg)
+    assert [r["rss_met"] for r in to_json(bench, cfg)["rows"]] == [False] * 3

@@ -927,6 +927,10 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
 
 
 def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
+    rows, mem = [r.to_json() for r in bench.rows()], bench.memory_rows()
+    if mem:  # the verdict is the memory launches' (memory_rows), as in the report: none here
+        for r in rows:
+            r["rss_met"] = None
     return {
         "settings": {
             "model": plain_dict(cfg.model),
@@ -947,8 +951,8 @@ def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
             "cpu_count": os.cpu_count(),
             "coordinator_nice": bench.coordinator_nice,
         },
-        "rows": [r.to_json() for r in bench.rows()],
-        "memory_rows": [m.to_json() for m in bench.memory_rows()],
+        "rows": rows,
+        "memory_rows": [m.to_json() for m in mem],
         "paired": bench.paired(),
         "coordinator_cpu_s": bench.coordinator_cpu_s,
         "island_cpu_s": {m: bench.island_cpu_s(m) for m in MODES},
