@@ -94,6 +94,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -358,10 +359,19 @@ applied by plain SGD after the round's outer step; ``async``: the coordinator's
 ``staleness: discount`` mode, in which a stale arrival opens a round of its own."""
 
 
-def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
-    """The run file of one method (``workdir`` absolute: island configs are read from it)."""
+def run_config(s: Setup, m: Method, workdir: Path, init: str | None = None) -> RunConfig:
+    """The run file of one method (``workdir`` absolute: island configs are read from it).
+
+    ``init``: the baseline's model, a folder holding the seed's initial model (see
+    :func:`save_initial`); the tokenizer stays the one trained on the corpus."""
     workdir = workdir.resolve()
     model = ModelSource(config=s.model_config, seed=m.seed)
+    tokenizer = None
+    if init is not None and m.kind == "zero3":
+        from ds_diloco.data import tokenizer_dir
+
+        model = ModelSource(pretrained=init)
+        tokenizer = str(tokenizer_dir(s.cache_dir, s.corpus, s.vocab_size))
     every = max(1, s.steps // s.points)
     if m.kind == "zero3":
         islands = (IslandSpec(name="zero3", world_size=s.ranks, include=_gpus(s, 0, s.ranks)),)
@@ -403,6 +413,7 @@ def run_config(s: Setup, m: Method, workdir: Path) -> RunConfig:
             seq_len=s.seq_len,
             cache_dir=s.cache_dir,
             heldout_fraction=s.heldout_fraction,
+            tokenizer=tokenizer,
         ),
         train=TrainConfig(
             steps=s.steps,
@@ -482,6 +493,15 @@ class Evaluator:
             for b in blocks.split(self.batch)
         )
         return total / len(blocks)
+
+
+def save_initial(s: Setup, seed: int, path: Path) -> str:
+    """The initial model of ``seed`` (``build_model``: the DiLoCo runs' and the evaluator's),
+    saved as a pretrained folder at ``path``."""
+    from ds_diloco.hf_model import build_model
+
+    build_model(ModelSource(config=s.model_config, seed=seed)).save_pretrained(path)
+    return str(path.resolve())
 
 
 def _snapshot(client, plan) -> dict[str, torch.Tensor]:
@@ -565,7 +585,11 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
     from ds_diloco.export import load_global_tensors
     from ds_diloco.fragments import FragmentPlan
 
-    cfg = run_config(s, m, workdir)
+    # The baseline's ZeRO-3 engine built from the config draws its initial weights under
+    # zero.Init: other values than the seed's model, which the DiLoCo runs start from (their
+    # coordinator builds it; the islands take it). It is given that model as a folder.
+    init = save_initial(s, m.seed, workdir / "initial-model") if m.kind == "zero3" else None
+    cfg = run_config(s, m, workdir, init)
     if m.stale in ("next", "next-sgd"):
         lr = StaleMergeRun(cfg, max_staleness=1, stale_sgd=m.stale == "next-sgd")
     else:
@@ -604,6 +628,8 @@ def run_method(s: Setup, m: Method, ev: Evaluator, workdir: Path, echo=None) -> 
             status = client.status()
     finally:
         lr.stop()
+        if init:  # read at the start (and by a restart): a model's size in every run's folder
+            shutil.rmtree(init, ignore_errors=True)
     ranks = [
         json.loads((lr.workdir / "islands" / spec.name / f"summary-rank{r}.json").read_text())
         for spec in cfg.islands
