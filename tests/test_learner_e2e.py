@@ -145,7 +145,7 @@ def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_confi
         island = status["islands"]["a"]
         # close() sent the steps after each fragment's last send, at step 13, and waited
         # for them to be merged before leaving: nothing of the island is left pending.
-        assert island["last_step"] == 13 and island["left"], island
+        assert island["last_step"] == 13 and island["left"], (island, output(proc))
         assert not status["pending"], status["pending"]
         table = json.loads((tmp_path / "state" / "coordinator.json").read_text())
         at_13 = {(f, r) for f, r, s in table["islands"]["a"]["uploads"] if s == 13}
