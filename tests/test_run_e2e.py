@@ -1165,23 +1165,31 @@ def test_progress_line_reads_a_long_progress_file_from_its_end(tmp_path, tiny_co
     assert "coordinator unreachable" in line and "tok/s" not in line and "left" not in line
 
 
+def _progress_run(tmp_path, tiny_config_path, islands):
+    """A run of ``islands`` (100 steps) whose progress line is read with no coordinator (a
+    bound port that never answers): (run, that port, a client of it, record(name, **r)),
+    record appending one record of the island's loop (``seconds`` since its launch's start)."""
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=100)))
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
+    for spec in islands:
+        lr.island_dir(spec["name"]).mkdir(parents=True)
+
+    def record(name, **r):
+        with (lr.island_dir(name) / "progress.jsonl").open("a") as f:
+            f.write(json.dumps({"island": name, "loss": 5.0, **r}) + "\n")
+
+    return lr, port, client, record
+
+
 def test_the_progress_line_says_an_island_was_given_up_and_leaves_it_out_of_the_time_left(
     tmp_path, tiny_config_path
 ):
     # An island given up (its restarts ran out) kept its last rate in the line, as if it
     # trained on, and its remaining steps held the time left still until the run ended.
     islands = [{"name": "a", "world_size": 1}, {"name": "b", "world_size": 1}]
-    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=100)))
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
-    for name in ("a", "b"):
-        lr.island_dir(name).mkdir(parents=True)
-
-    def record(name, **r):
-        with (lr.island_dir(name) / "progress.jsonl").open("a") as f:
-            f.write(json.dumps({"island": name, "loss": 5.0, **r}) + "\n")
-
+    lr, port, client, record = _progress_run(tmp_path, tiny_config_path, islands)
     for step in (10, 20):  # a step a second each
         for name in ("a", "b"):
             record(name, step=step, tokens=100 * step, seconds=float(step))
@@ -1218,17 +1226,7 @@ def test_the_progress_line_gives_each_islands_tokens_per_second_and_the_time_lef
         {"name": "a", "world_size": 1},
         {"name": "b", "world_size": 1, "train": {"steps": 40}},
     ]
-    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, steps=100)))
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    client = CoordinatorClient(f"http://127.0.0.1:{port.getsockname()[1]}", "t", retries=0)
-    for name in ("a", "b"):
-        lr.island_dir(name).mkdir(parents=True)
-
-    def record(name, **r):  # a record of the island's loop; ``seconds`` since its launch's start
-        with (lr.island_dir(name) / "progress.jsonl").open("a") as f:
-            f.write(json.dumps({"island": name, "loss": 5.0, **r}) + "\n")
-
+    lr, port, client, record = _progress_run(tmp_path, tiny_config_path, islands)
     record("a", step=10, tokens=1000, seconds=10.0)
     record("b", step=10, tokens=4000, seconds=5.0)
     line = lr.progress_line(client)  # one reading each: no rate yet
