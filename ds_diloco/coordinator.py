@@ -78,6 +78,19 @@ class CoordinatorError(Exception):
         self.status = status
 
 
+def _check_run(what: str, island: str, run: str, run_id: str) -> None:
+    """Refuse an upload or leave from a process of another run's island of the same name (a
+    process left from an earlier run): merged, or taking this run's island out of every
+    quorum. It is told it was superseded, so that it stops. ``run`` "": not given."""
+    if run and run != run_id:
+        raise CoordinatorError(
+            409,
+            f"{what} from run {run!r}, this coordinator's run is {run_id!r}: island "
+            f"{island!r} here is another run's (a process of an earlier run still "
+            f"sending?): {wire.SUPERSEDED}",
+        )
+
+
 def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
     """Refuse an upload or leave from a process an island's later registration superseded."""
     if incarnation > isl.registrations:  # not superseded: the process must not stop
@@ -389,12 +402,7 @@ class Coordinator:
             isl = self._islands.get(island)
             if isl is None:
                 raise CoordinatorError(404, f"unknown island {island!r}")
-            if run and run != self.run_id:  # it took this run's island out of every quorum
-                raise CoordinatorError(
-                    409,
-                    f"leave from run {run!r}, this coordinator's run is {self.run_id!r}: island "
-                    f"{island!r} here is another run's",
-                )
+            _check_run("leave", island, run, self.run_id)
             if incarnation is not None:
                 _check_incarnation("leave", isl, incarnation)
             isl.left_at = time.time()
@@ -590,13 +598,8 @@ class Coordinator:
             isl = self._adopt_unknown(h, now)
         elif isl is None:
             raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
-        elif h.run and h.run != self.run_id:  # the same name in another run: merged as this one's
-            raise CoordinatorError(
-                409,
-                f"upload from run {h.run!r}, this coordinator's run is {self.run_id!r}: island "
-                f"{h.island!r} here is another run's (a process of an earlier run still "
-                f"sending?): {wire.SUPERSEDED}",  # it stops, as a superseded launch does
-            )
+        else:
+            _check_run("upload", h.island, h.run, self.run_id)
         if h.incarnation > isl.registrations:
             self._adopt_registration(isl, h, now)
         if isl.left_at is not None:

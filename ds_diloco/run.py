@@ -734,11 +734,9 @@ class LocalRun:
         ]
         if not names or self.coordinator is None or self.coordinator.poll() is not None:
             return
-        client = CoordinatorClient(self.url, self.token, retries=0, timeout_s=HEALTH_TIMEOUT_S,
-                                   ca_file=self.ca_file)  # fmt: skip
         for name in names:
             try:
-                client.leave(name)
+                self._health.leave(name)  # the watch's client: HEALTH_TIMEOUT_S, no retries
             except RefusedError:  # never registered (stopped while starting)
                 continue
             except Exception:  # unreachable or hung: its state stays as it is

@@ -172,10 +172,8 @@ class StaleMergeRun(LocalRun):
         # LocalRun's spawn (every start, bench quality's included) with this module's server.
         # Overriding start_coordinator alone left spawn_coordinator, which bench quality
         # calls, serving the stock coordinator: the stale-next variants ran its discount mode.
-        argv = [sys.executable, "-m", __name__, "--config", str(config)]
-        return [*argv, "--max-staleness", str(self.max_staleness)] + [
-            "--stale-sgd"
-        ] * self.stale_sgd
+        return [sys.executable, "-m", __name__, "--config", str(config),
+                "--max-staleness", str(self.max_staleness), *["--stale-sgd"] * self.stale_sgd]  # fmt: skip
 
 
 if __name__ == "__main__":
