@@ -73,10 +73,19 @@ def common_args(tiny_config_path: str, tmp_path: Path, url: str) -> list[str]:
             "--seq-len", "32", "--micro-batch", "4"]  # fmt: skip
 
 
-def check_joined_and_equal(srv, saved: Path, tiny_config_path: str, min_merges: int) -> None:
-    """Merges of the island reached the coordinator; the saved model is the global model."""
+def check_joined_and_equal(
+    srv, saved: Path, tiny_config_path: str, last_step: int | None = None
+) -> None:
+    """Merges of the island reached the coordinator on every fragment, the last from the
+    loop's ``last_step`` (its optimizer steps, flushed at close()); the saved model is the
+    global model. How many of a fragment's scheduled sends merge depends on timing: a send
+    whose base is not back yet is skipped by design (its steps go with the next one), and
+    a loaded machine skipped two of fragment 2's four in CI ([4, 4, 2, 3])."""
     status = srv.coord.status()
-    assert min(status["merges"]) >= min_merges, f"merges per fragment {status['merges']}"
+    assert min(status["merges"]) >= 1, f"merges per fragment {status['merges']}"
+    if last_step is not None:
+        island = status["islands"]["a"]
+        assert island["last_step"] == last_step and island["left"], island
     versions = json.loads((saved / "versions.json").read_text())
     assert versions == status["versions"], (versions, status)
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_config_path))
@@ -100,9 +109,9 @@ def test_plain_deepspeed_loop_joins_a_run_on_two_ranks(coordinator, tiny_config_
     proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
         *args, "--steps", "12", "--grad-accum", "2", "--save", str(saved)], runner=True)  # fmt: skip
     assert proc.returncode == 0, output(proc)
-    # 12 optimizer steps of 2 micro-batches, H = 4: each fragment sent 3 times, and the
-    # learner counts optimizer steps (engine.global_steps), not micro-batches.
-    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=2)
+    # 12 optimizer steps of 2 micro-batches: the learner counts optimizer steps
+    # (engine.global_steps), not micro-batches (24).
+    check_joined_and_equal(coordinator, saved, tiny_config_path, last_step=12)
     island = coordinator.coord.status()["islands"]["a"]
     assert island["world_size"] == 2 and island["left"], island  # close() left the run
     per_step = 2 * 2 * 4 * 32  # micro-batches x ranks x micro-batch x seq_len (inputs)
@@ -120,7 +129,7 @@ def test_frozen_parameters_send_nothing_and_the_rest_merges(tiny_config_path, tm
         proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
             *args, "--steps", "8", "--freeze", freeze, "--save", str(saved)])  # fmt: skip
         assert proc.returncode == 0, output(proc)
-        check_joined_and_equal(srv, saved, tiny_config_path, min_merges=1)
+        check_joined_and_equal(srv, saved, tiny_config_path, last_step=8)
         end = srv.coord.global_tensors()
     frozen = {n for n in start if re.search(freeze, n)}
     assert frozen and frozen != set(start)
@@ -131,21 +140,33 @@ def test_frozen_parameters_send_nothing_and_the_rest_merges(tiny_config_path, tm
             assert not torch.equal(end[n], start[n]), f"{n} was not merged"
 
 
+LOGGED = """
+import logging, runpy, sys
+logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+logging.getLogger("ds_diloco.syncer").setLevel(logging.INFO)
+sys.argv[0] = "{script}"
+runpy.run_path("{script}", run_name="__main__")
+"""
+
+
 def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_config_path, tmp_path):
     # H = 8, P = 4: fragment p is sent after steps 2 (p + 1) + 8k. After 13 steps the last
     # sends were at steps 6, 8, 10 and 12: no fragment is due at the last step.
     saved = tmp_path / "merged"
     with ServerThread(coordinator_config(tiny_config_path, tmp_path, sync_every=8)) as srv:
         args = common_args(tiny_config_path, tmp_path, srv.url)
-        proc = deepspeed_launch(EXAMPLES / "deepspeed_loop.py", 2, [
-            *args, "--steps", "13", "--save", str(saved)])  # fmt: skip
+        # The example with the syncer's INFO lines (its flush says what it sent): this test
+        # failed once in a loaded suite with last step 12, cause not found.
+        logged = tmp_path / "logged_loop.py"
+        logged.write_text(LOGGED.format(script=EXAMPLES / "deepspeed_loop.py"))
+        proc = deepspeed_launch(logged, 2, [*args, "--steps", "13", "--save", str(saved)])
         assert proc.returncode == 0, output(proc)
-        check_joined_and_equal(srv, saved, tiny_config_path, min_merges=1)
+        check_joined_and_equal(srv, saved, tiny_config_path)
         status = srv.coord.status()
         island = status["islands"]["a"]
         # close() sent the steps after each fragment's last send, at step 13, and waited
         # for them to be merged before leaving: nothing of the island is left pending.
-        assert island["last_step"] == 13 and island["left"], (island, output(proc))
+        assert island["last_step"] == 13 and island["left"], f"{island}\n{output(proc)}"
         assert not status["pending"], status["pending"]
         table = json.loads((tmp_path / "state" / "coordinator.json").read_text())
         at_13 = {(f, r) for f, r, s in table["islands"]["a"]["uploads"] if s == 13}
@@ -254,9 +275,9 @@ def test_hf_trainer_with_the_callback_joins_a_run_on_two_ranks(
         *args, "--steps", "8", "--grad-accum", "2", "--out", str(tmp_path / "trainer"),
         "--save", str(saved)])  # fmt: skip
     assert proc.returncode == 0, output(proc)
-    # 8 optimizer steps of 2 micro-batches, H = 4: each fragment sent twice; the callback
-    # counts optimizer steps (not micro-batches) and the Trainer's tokens of both ranks.
-    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=1)
+    # 8 optimizer steps of 2 micro-batches: the callback counts optimizer steps (not
+    # micro-batches) and the Trainer's tokens of both ranks.
+    check_joined_and_equal(coordinator, saved, tiny_config_path, last_step=8)
     island = coordinator.coord.status()["islands"]["a"]
     assert island["world_size"] == 2 and island["left"], island
     per_step = 2 * 2 * 4 * 33  # micro-batches x ranks x micro-batch x (seq_len + 1) tokens
@@ -275,7 +296,7 @@ def test_accelerate_launch_with_the_deepspeed_plugin_joins_a_run_on_two_ranks(
            *args, "--steps", "16", "--save", str(saved)]  # fmt: skip
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, output(proc)
-    check_joined_and_equal(coordinator, saved, tiny_config_path, min_merges=3)
+    check_joined_and_equal(coordinator, saved, tiny_config_path, last_step=16)
     island = coordinator.coord.status()["islands"]["a"]
     assert island["world_size"] == 2 and island["left"], island
 
