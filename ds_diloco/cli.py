@@ -70,9 +70,12 @@ def _run(args) -> int:
 
 
 def _stoppable(fn):
-    """A command that starts islands or a coordinator (in process groups of their own):
-    SIGINT and SIGTERM raise in it, so its ``finally`` stops them (``LocalRun.stop``)
-    instead of leaving them running; it exits with 128 + the signal."""
+    """A command that starts islands or a coordinator (in process groups of their own), or
+    a watch that runs until stopped: SIGINT and SIGTERM raise in it, whatever the process
+    inherited (started in the background by a shell, SIGINT comes ignored: a watch went
+    on polling after its Ctrl-C), so its ``finally`` stops what it started
+    (``LocalRun.stop``) or closes its outputs; it exits with 128 + the signal, or as the
+    command says (a watch that ends so exits 0)."""
 
     def command(args) -> int:
         from ds_diloco.run import Stopped, stop_on_signals
@@ -119,12 +122,14 @@ def _prepare_data(args) -> int:
     return prepare_main(args)
 
 
+@_stoppable
 def _eval(args) -> int:
     from ds_diloco.global_eval import main as eval_main
 
     return eval_main(args)
 
 
+@_stoppable
 def _status(args) -> int:
     from ds_diloco.status_view import main as status_main
 

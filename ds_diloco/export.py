@@ -74,6 +74,11 @@ class GlobalModel:
     """The model's generation_config.json, when the state directory holds one."""
 
 
+class CoordinatorUnreachable(ValueError):
+    """The coordinator could not be reached, or failed, while the model was read from it:
+    a later try may do (it was restarting, say)."""
+
+
 def is_url(source: str | os.PathLike) -> bool:
     return str(source).startswith(("http://", "https://"))
 
@@ -219,9 +224,9 @@ def _from_coordinator(
         hint = f": check --token or ${TOKEN_ENV}" if e.status == 401 else ""
         raise ValueError(f"coordinator {url} refused the export ({e}){hint}") from None
     except CoordinatorError as e:
-        raise ValueError(f"coordinator {url} failed during the export: {e}") from None
+        raise CoordinatorUnreachable(f"coordinator {url} failed during the export: {e}") from None
     except TRANSPORT_ERRORS as e:
-        raise ValueError(f"cannot reach the coordinator at {url}: {e}") from None
+        raise CoordinatorUnreachable(f"cannot reach the coordinator at {url}: {e}") from None
     versions = [held[f.index][0] for f in plan.fragments]
     tensors = {n: t for f in plan.fragments for n, t in held[f.index][1].items()}
     log.info("downloaded %d fragments from %s at versions %s", len(plan), url, versions)

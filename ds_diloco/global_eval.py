@@ -83,7 +83,7 @@ def main(args) -> int:
     summed over fragments, pass the next multiple, until ``--count`` or Ctrl-C."""
     from ds_diloco.client import TRANSPORT_ERRORS, CoordinatorClient, RefusedError
     from ds_diloco.config import load_data_config
-    from ds_diloco.export import is_url
+    from ds_diloco.export import CoordinatorUnreachable, is_url
     from ds_diloco.live_model import next_due
     from ds_diloco.status_view import resolve_token
 
@@ -134,9 +134,13 @@ def main(args) -> int:
                 print(f"no status from {client.url}: {e}", flush=True)
                 merges = -1
             if merges >= due:
-                record = evaluate()
-                done += 1
-                due = next_due(record["merges"], args.every_merges)
+                try:
+                    record = evaluate()
+                except CoordinatorUnreachable as e:  # gone while it read the model: as above
+                    print(f"no evaluation from {client.url}: {e}", flush=True)
+                else:
+                    done += 1
+                    due = next_due(record["merges"], args.every_merges)
             if args.count is None or done < args.count:
                 time.sleep(args.poll_s)
         return 0

@@ -12,6 +12,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+SIGINT_IGNORED = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                  "from ds_diloco.cli import main; sys.exit(main())")  # fmt: skip
+"""``python -c`` this, then the CLI's arguments: SIGINT ignored, as a shell starts a job in
+the background. A watch that only caught KeyboardInterrupt then never got one, and went
+on polling after its Ctrl-C (one such test failed that way in a suite run with ``&``)."""
+
 
 def _worker_ports() -> None:
     """Each pytest-xdist worker hands out ports (``free_port``, in its runs' processes too) from

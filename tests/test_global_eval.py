@@ -4,12 +4,17 @@ coordinator (a watch every N merges), on the islands' own held-out blocks."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import SIGINT_IGNORED
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_diloco import wire
@@ -17,6 +22,7 @@ from ds_diloco.cli import main as cli_main
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource, load_data_config
 from ds_diloco.coordinator import Coordinator
+from ds_diloco.fragments import FragmentPlan
 from ds_diloco.global_eval import heldout_blocks
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
@@ -148,6 +154,75 @@ def test_a_watch_evaluates_now_and_after_every_n_merges(tiny_config_path, data_f
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
     assert len(board.Scalars("global/heldout_loss")) == 2
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_watch_goes_on_through_a_coordinator_outage_during_an_evaluation(
+    tiny_config_path, data_file, tmp_path, capsys
+):
+    # An outage (a restart) that came while an evaluation downloaded the model ended the
+    # watch with "cannot reach the coordinator"; one during a status poll did not.
+    from urllib.parse import urlsplit
+
+    from ds_diloco.chaos.proxy import ChaosProxy
+
+    srv = ServerThread(_coord_cfg(tiny_config_path, tmp_path / "state"))
+    where = urlsplit(srv.url)
+    proxy = ChaosProxy(where.hostname, where.port).start()
+    client = CoordinatorClient(srv.url, TOKEN, retries=0)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    client.register("a", 1, plan.signature)
+    merging, steps = threading.Event(), [0]
+
+    def merge_all_the_time():  # evaluations one after the other: the watch is mostly in one
+        while not merging.is_set():
+            versions = client.versions()
+            for frag in plan.fragments:
+                steps[0] += 1
+                header = wire.UploadHeader(island="a", rank=0, world_size=1, fragment=frag.index,
+                                           base_version=versions[frag.index], step=steps[0],
+                                           tokens=64, steps=1)  # fmt: skip
+                deltas = {s.name: 1e-3 * torch.randn(s.shape) for s in frag.params}
+                client.upload(header, rank_slices(frag, deltas, 1, 0))
+            time.sleep(0.02)
+
+    out, log = tmp_path / "evals.jsonl", tmp_path / "watch.log"
+    argv = [sys.executable, "-c", SIGINT_IGNORED, "eval", "--from", proxy.url, "--data",
+            str(data_file), "--every-merges", "1", "--poll-s", "0.01", "--token", TOKEN,
+            "--json", str(out)]  # fmt: skip
+    merger = threading.Thread(target=merge_all_the_time, daemon=True)
+    merger.start()
+    with open(log, "w") as f:
+        watch = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        _wait(lambda: out.is_file(), 60, "the first evaluation")
+        # Slowed down, a download the coordinator has served is still on its way when the
+        # link is cut: the outage comes in the middle of an evaluation.
+        proxy.set(delay_s=0.3)
+        served = srv.coord.traffic["download_bytes"]
+        _wait(lambda: srv.coord.traffic["download_bytes"] > served, 30, "an evaluation")
+        proxy.set(drop=True)
+        time.sleep(7.5)  # longer than the client's retries (6.2 s)
+        proxy.set(drop=False)
+        seen = len(out.read_text().splitlines())
+        _wait(lambda: len(out.read_text().splitlines()) > seen, 30, "an evaluation after")
+        assert watch.poll() is None, log.read_text()
+        assert "no evaluation from" in log.read_text()
+    finally:
+        merging.set()
+        merger.join()
+        if watch.poll() is None:
+            watch.send_signal(signal.SIGINT)  # the way a watch ends
+        code = watch.wait(30)
+        proxy.close()
+        srv.stop(save=False)
+    assert code == 0, log.read_text()
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,17 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from conftest import SIGINT_IGNORED
 
 from ds_diloco import wire
 from ds_diloco.cli import main as cli_main
@@ -22,6 +27,7 @@ from ds_diloco.server import ServerThread
 from ds_diloco.status_view import StatusError, process_text, render
 
 TOKEN = "status-token"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -181,3 +187,22 @@ def test_the_coordinator_process_line_gives_memory_cpu_files_and_uptime():
     )
     del process["open_fds"], process["max_fds"]  # a platform without them
     assert process_text(process, now=0.0) == "2,500.0 MB resident, 12,345.7 s CPU, up 0h00m"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_watch_started_with_sigint_ignored_ends_on_a_signal(server, signum, tmp_path):
+    log = tmp_path / "watch.log"
+    argv = [sys.executable, "-c", SIGINT_IGNORED, "status", server.url, "--token", TOKEN,
+            "--watch", "0.2"]  # fmt: skip
+    with open(log, "w") as f:
+        watch = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while log.read_text().count("versions") < 2:  # two polls shown: in its loop
+            assert watch.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        watch.send_signal(signum)
+        code = watch.wait(20)
+    finally:
+        watch.kill()
+    assert code == 0, log.read_text()
