@@ -9,7 +9,8 @@ round by calling ``round_policy.decide`` -- the coordinator's own function, look
 up at call time -- at every counted arrival and at every deadline it asks for.
 
 Accounting (goodput):
-- An island's step adds live chips x chip_step_s chip-seconds, 1/P to each fragment.
+- An island's step adds live chips x chip_step_s chip-seconds (its own time if shorter),
+  1/P to each fragment.
   A contribution carries what its fragment gathered since the island last sent
   it, and counts once merged. With H = P the sends tile every step, so a run
   without failures or jitter is 100 % goodput; the tau-step overlap is a
@@ -314,8 +315,13 @@ class _Sim:
             a = start[m]
             ema_val[m] = ema[m](t - a)
             n = live[m]
-            c = cum[m] = cum[m] + n * step_s
-            straggler += n * (t - a - step_s)
+            # A step counts at one chip's mean time, or at its own when shorter: a group
+            # too small to wait for a slowest chip (one chip) steps under the mean as often
+            # as over it, and counted at the mean, goodput went over 1.
+            w = t - a
+            w = step_s if w > step_s else w
+            c = cum[m] = cum[m] + n * w
+            straggler += n * (t - a - w)
             s = idx[m]
             if pending[m]:
                 self._catch_up(m)
