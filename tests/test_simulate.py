@@ -454,9 +454,23 @@ def test_parse_count():
     assert parse_count("150k") == 150_000
     assert parse_count("1.2M") == 1_200_000
     assert parse_count("4096") == 4096
+    assert parse_count("4.1M") == 4_100_000 and parse_count("1e3") == 1000  # 4.1 x 1e6 is not
     for bad in ("many", "inf", "1e400", "-inf", "nan", "infk"):  # inf: OverflowError in round
         with pytest.raises(ValueError, match="not a count"):
             parse_count(bad)
+    for bad in ("2.5", "1.2345678M", "0.0001k"):  # rounded, --islands 2.5 ran M = 2
+        with pytest.raises(ValueError, match="not a whole number"):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize(
+    "flag", ["--chips", "--islands", "--min-quorum", "--chips-per-island", "--chips-per-slice"]
+)
+def test_cli_refuses_a_count_that_is_not_whole_naming_the_flag(flag, no_simulation, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["simulate", "--chips", "150k", "--days", "0.01", flag, "2.5"])
+    assert e.value.code == 2
+    assert f"argument {flag}: not a count: '2.5' is not a whole number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--chips", "--fixed-batch-chips", "--chips-per-slice"])

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 from ds_diloco.simulate.config import (
@@ -35,13 +36,15 @@ def parse_count(text: str) -> int:
     """'150k' -> 150000, '1.2M' -> 1200000, '4096' -> 4096."""
     t = text.strip().lower().replace("_", "")
     scale = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):  # also inf and 1e400 (OverflowError in round)
+    try:  # exact: 4.1M is 4100000, not 4099999.9999999995 (not a whole number)
+        value = Decimal(t[:-1] if scale > 1 else t) * scale
+    except ArithmeticError:  # InvalidOperation
+        value = Decimal("nan")
+    if not (value.is_finite() and math.isfinite(float(value))):  # also inf and 1e400
         raise CountError(f"not a count: {text!r} (write 150000, 150k or 1.2M)")
-    return round(value)
+    if value != value.to_integral_value():  # rounded, --islands 2.5 ran M = 2
+        raise CountError(f"not a count: {text!r} is not a whole number")
+    return int(value)
 
 
 def _counts(text: str) -> list[int]:
