@@ -17,7 +17,7 @@ from ds_diloco.simulate.baselines import simulate_dp, simulate_elastic
 from ds_diloco.simulate.plan import recommend
 from ds_diloco.simulate.report import parse_count
 from ds_diloco.simulate.result import CHIP_TIME, SystemResult
-from ds_diloco.simulate.run import sweep_configs
+from ds_diloco.simulate.run import sweep, sweep_configs
 from ds_diloco.simulate.trace import slowest_chip
 
 # Small and short: every test below runs in well under a second.
@@ -674,6 +674,17 @@ def test_plan_refuses_what_it_cannot_plan_from():
         recommend([_row(2, 1, 0.8), other_size])
     with pytest.raises(ValueError, match="tolerance"):
         recommend([_row(2, 1, 0.8)], tolerance=1.5)
+
+
+def test_a_row_is_found_by_the_size_asked_for():
+    # Rows hold whole slices (149,760 chips for 150k): get(chips=150_000) was a KeyError.
+    cfg = SimConfig(days=0.01, systems=("elastic", "diloco"))
+    result = sweep(cfg, [150_000, 300_000], [2])
+    assert result.get("elastic", chips=150_000).chips == 149_760
+    assert result.get("diloco", chips=300_000, islands=2).chips == 299_776
+    assert result.get("elastic", chips=149_760) is result.get("elastic", chips=150_000)
+    with pytest.raises(KeyError, match="chips=600000"):
+        result.get("elastic", chips=600_000)
 
 
 def test_sweep_runs_every_quorum_up_to_each_m():

@@ -27,9 +27,16 @@ class Result:
     """Seconds the simulation took on this machine."""
 
     def get(self, system: str, chips: int | None = None, islands: int | None = None):
-        """The one row matching; KeyError if none."""
+        """The one row matching; KeyError if none. ``chips``: the size simulated or the one
+        asked for (rows hold whole slices: 150_000 finds the row of 149,760 chips)."""
+        sizes = None
+        if chips is not None:
+            sizes = {chips} | {chips // c["chips_per_slice"] * c["chips_per_slice"]
+                               for c in self.configs}  # fmt: skip
         for r in self.rows:
-            if r.system == system and chips in (None, r.chips) and islands in (None, r.islands):
+            if r.system != system or islands not in (None, r.islands):
+                continue
+            if sizes is None or r.chips in sizes:
                 return r
         raise KeyError(f"no result for {system} chips={chips} islands={islands}")
 
