@@ -687,6 +687,18 @@ def test_a_row_is_found_by_the_size_asked_for():
         result.get("elastic", chips=600_000)
 
 
+def test_the_default_m_does_not_refuse_baselines_or_the_ms_a_sweep_asks_for():
+    # M = 8 (DiLoCo's default) over the slices refused a baseline-only config, and a sweep
+    # of M = 2 at three slices (its baselines' piece kept M = 8).
+    assert SimConfig(chips=512, days=0.01, systems=("dp",)).islands == 8
+    result = sweep(SimConfig(days=0.01), [1000], [2])
+    assert [(r.system, r.islands) for r in result.rows] == [
+        ("dp", 1), ("elastic", 1), ("diloco", 2)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"islands must be <= the number of slices \(2\)"):
+        SimConfig(chips=512, days=0.01)  # DiLoCo with M = 8 on two slices
+
+
 def test_sweep_runs_every_quorum_up_to_each_m():
     cfg = SimConfig(**SMALL, systems=("diloco",))
     tasks = sweep_configs(cfg, [150_000], [2, 4], quorums=[1, 3, 1])
