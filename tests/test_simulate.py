@@ -699,6 +699,16 @@ def test_the_default_m_does_not_refuse_baselines_or_the_ms_a_sweep_asks_for():
         SimConfig(chips=512, days=0.01)  # DiLoCo with M = 8 on two slices
 
 
+def test_sweep_names_chips_per_island_when_it_cannot_make_islands_of_it():
+    # Over a size it made M = 0 ("no quorum to simulate with M=0 islands"); under a slice,
+    # more islands than slices ("islands must be <= the number of slices").
+    cfg = SimConfig(days=0.01)
+    for cpi in (2000, 100):
+        with pytest.raises(ValueError, match=rf"chips_per_island must be 256\.\.1000 .*{cpi}"):
+            sweep_configs(cfg, [1000, 150_000], chips_per_island=cpi)
+    assert [c.islands for c in sweep_configs(cfg, [1000], chips_per_island=500)][-1] == 2
+
+
 def test_sweep_runs_every_quorum_up_to_each_m():
     cfg = SimConfig(**SMALL, systems=("diloco",))
     tasks = sweep_configs(cfg, [150_000], [2, 4], quorums=[1, 3, 1])

@@ -88,10 +88,14 @@ def sweep_configs(
     """The pieces ``sweep`` runs, each a checked ``SimConfig`` (ValueError: a size, M or K
     it cannot run, or one over the work caps); nothing is simulated. A quorum over M is
     not run for that M (K <= M); M with no quorum of ``quorums`` at most M is an error."""
-    if chips_per_island is not None and chips_per_island < 1:
-        raise ValueError(f"chips_per_island must be >= 1, got {chips_per_island}")
     # Each value once, like the quorums: a size or M given twice ran twice (twice the rows).
     chips, islands = tuple(dict.fromkeys(chips)), tuple(dict.fromkeys(islands))
+    # The CLI's rule (--chips-per-island): over a size M = 0, under a slice more islands than
+    # slices, each refused in other words (a quorum over M, or M over the slices).
+    lo = cfg.chips_per_slice
+    if chips_per_island is not None and chips and not lo <= chips_per_island <= min(chips):
+        raise ValueError(f"chips_per_island must be {lo}..{min(chips)} (one slice, "
+                         f"chips_per_slice, to the smallest size), got {chips_per_island}")  # fmt: skip
     quorums = tuple(dict.fromkeys(quorums)) or (cfg.min_quorum,)
     if min(quorums) < 1:
         raise ValueError(f"quorums must be >= 1, got {min(quorums)}")
