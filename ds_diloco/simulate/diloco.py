@@ -9,8 +9,9 @@ round by calling ``round_policy.decide`` -- the coordinator's own function, look
 up at call time -- at every counted arrival and at every deadline it asks for.
 
 Accounting (goodput):
-- An island's step adds live chips x chip_step_s chip-seconds (its own time if shorter),
-  1/P to each fragment.
+- An island's step adds live chips x chip_step_s chip-seconds (a shorter step: only as
+  much as makes up for the island's earlier waits for its slowest chip), 1/P to each
+  fragment.
   A contribution carries what its fragment gathered since the island last sent
   it, and counts once merged. With H = P the sends tile every step, so a run
   without failures or jitter is 100 % goodput; the tau-step overlap is a
@@ -109,6 +110,7 @@ class _Sim:
         self.target = [0] * M  # WAIT: the step to start at the fleet's boundary
         self.wait_at = [0.0] * M  # WAIT: when it starts
         self.cum = [0.0] * M  # chip-seconds trained by each island
+        self.waited = [0.0] * M  # each island's straggler chip-seconds (>= 0, see _steps)
         self.mark = [[0.0] * P for _ in range(M)]  # cum at the last send (or refresh) of p
         self.base = [[0] * P for _ in range(M)]  # version of p the island trains on
         self.applyq: list[deque[tuple[int, int]]] = [deque() for _ in range(M)]
@@ -276,7 +278,9 @@ class _Sim:
         version, r_isl, r_cov, r_t, r_id = (
             self.version, self.r_isl, self.r_cov, self.r_t, self.r_id
         )  # fmt: skip
-        ema, ema_val, seq, cov = self.ema_update, self.ema_val, self.seq, self.covered
+        ema, ema_val, seq, cov, waited = (
+            self.ema_update, self.ema_val, self.seq, self.covered, self.waited
+        )  # fmt: skip
         align, phase, late, took, took_t, took_opened, opened, shifted_at = (
             self.align, self.phase, self.late, self.took, self.took_t, self.took_opened,
             self.opened, self.shifted_at,
@@ -317,13 +321,20 @@ class _Sim:
             a = start[m]
             ema_val[m] = ema[m](t - a)
             n = live[m]
-            # A step counts at one chip's mean time, or at its own when shorter: a group
-            # too small to wait for a slowest chip (one chip) steps under the mean as often
-            # as over it, and counted at the mean, goodput went over 1.
-            w = t - a
-            w = step_s if w > step_s else w
-            c = cum[m] = cum[m] + n * w
-            straggler += n * (t - a - w)
+            # A step counts at one chip's mean time; a group too small to wait for a slowest
+            # chip (one chip) steps under the mean as often as over it, and a short step
+            # makes up for the island's waits so far, never more: counted at the mean
+            # whatever came before, a run of short steps put goodput over 1.
+            x = n * (t - a - step_s)
+            lag = waited[m] + x
+            if lag >= 0:
+                c = cum[m] = cum[m] + n * step_s
+                straggler += x
+                waited[m] = lag
+            else:
+                c = cum[m] = cum[m] + n * step_s + lag
+                straggler -= waited[m]
+                waited[m] = 0.0
             s = idx[m]
             if pending[m]:
                 self._catch_up(m)

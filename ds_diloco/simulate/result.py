@@ -40,9 +40,9 @@ class SystemResult:
 
     goodput: float
     """Share of the allocated chip-time spent on steps that end up in the model, 0..1.
-    A step's chip-time counts at one chip's mean compute time (its own if shorter): waiting
-    for the slowest chip, pauses, lost and rolled-back steps, dropped (stale) fragments do
-    not count."""
+    A step's chip-time counts at one chip's mean compute time (a shorter one only makes up
+    for earlier waits): waiting for the slowest chip, pauses, lost and rolled-back steps,
+    dropped (stale) fragments do not count."""
 
     uptime: float
     """Share of wall time in which the global model advances, 0..1: the job runs steps
