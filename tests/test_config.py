@@ -410,6 +410,49 @@ def test_multinode_ranks_get_the_token_the_way_the_readme_says(tmp_path, monkeyp
     assert f"export {TOKEN_ENV}=s3cret;" in launcher_command(command, env_file, monkeypatch)
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+def test_the_multinode_readmes_https_steps_done_as_written_load(tmp_path, monkeypatch):
+    """The README's certificate command, run where its other commands run (the repository),
+    and the settings it gives: the coordinator and the islands load, and the --ca-file it
+    names is there. Before, it wrote coord.pem into the working directory and said
+    `tls_cert: coord.pem`, which the file resolves beside itself: "tls_cert
+    '.../launch/multinode/coord.pem' does not exist"."""
+    import subprocess
+
+    text = MULTINODE_README.read_text()
+    section = text[text.index("Islands in other datacenters") :]
+    openssl = re.search(r"```bash\n(openssl [^\n]+)\n```", section).group(1)
+    root = tmp_path / "repo"
+    coord = stand_in(REPO / "launch/multinode/coordinator.yaml", root)
+    load_shipped_island(REPO / "launch/multinode/island-a.yaml", tmp_path)  # its tokenizer here
+    island_file = root / "launch/multinode/island-a.yaml"
+    # The cluster's folder (/data/ds_diloco) stands in under tmp_path, in the command too.
+    data = tmp_path / "data"
+    data.mkdir()
+    fill = {"/data/ds_diloco": str(data)}
+
+    def filled(s: str) -> str:
+        for old, new in fill.items():
+            s = s.replace(old, new)
+        return s
+
+    monkeypatch.chdir(root)
+    subprocess.run(filled(openssl), shell=True, check=True, capture_output=True)
+    settings = dict(re.findall(r"`(tls_cert|tls_key|coordinator_ca): ([^`]+)`", section))
+    assert set(settings) == {"tls_cert", "tls_key", "coordinator_ca"}, settings
+    text = coord.read_text().replace("state_dir: /data/ds_diloco/", f"state_dir: {data}/")
+    text += "".join(f"{k}: {filled(settings[k])}\n" for k in ("tls_cert", "tls_key"))
+    coord.write_text(text)
+    cfg = load_coordinator_config(coord)
+    assert cfg.tls_cert and Path(cfg.tls_cert).is_file()
+    text = island_file.read_text().replace("http://coordinator-host", "https://coordinator-host")
+    text += f"coordinator_ca: {filled(settings['coordinator_ca'])}\n"
+    island_file.write_text(text)
+    assert load_island_config(island_file).coordinator_ca
+    ca_file = re.search(r"take `--ca-file ([^`]+)`", section).group(1)
+    assert Path(filled(ca_file)).is_file(), ca_file  # from the working directory
+
+
 NAN, INF = float("nan"), float("inf")
 # A run file whose paths all exist (data.path "t" is made beside it).
 RUN = {"model": {"config": str(TINY)}, "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"},
