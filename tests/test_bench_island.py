@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_diloco import cli
 from ds_diloco.bench.island import _renice, default_run_config, format_report, run_bench, to_json
@@ -262,6 +263,27 @@ def test_paired_launches_too_short_for_both_sides_are_refused_before_any_launch(
     err = capsys.readouterr().err
     assert "--steps 10 leaves a paired launch no timed step with the syncer" in err, err
     assert "raise --steps or lower --paired-blocks" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs it")
+def test_the_gpu_run_file_without_cuda_is_refused_in_one_line_before_any_launch():
+    # The README's `ds-diloco bench island --run launch/bench-island-gpu.yaml` ("on one CUDA
+    # GPU") on a machine without one ran the 125M model in bf16 on the CPU, 6 GB per rank
+    # and minutes a step, and said nothing of it.
+    cmd = [sys.executable, "-m", "ds_diloco.cli", "bench", "island", "--run",
+           str(REPO / "launch" / "bench-island-gpu.yaml"), "--steps", "1", "--repeats", "1",
+           "--paired", "0", "--memory-repeats", "0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 15)
+        out, err = proc.communicate()
+        pytest.fail(f"not refused: still running after 60 s\n{out[-2000:]}")
+    assert proc.returncode == 2, (out, err)
+    assert "bf16" in err and "no CUDA device" in err and "bench-island-125m.yaml" in err, err
+    assert "Traceback" not in err and "launches" not in out, (out, err)
 
 
 def _summary(rank: int, peak: float, step_s: float = 0.1) -> dict:

@@ -960,6 +960,25 @@ def to_json(bench: IslandBench, cfg: RunConfig) -> dict:
     }
 
 
+def _check_devices(cfg: RunConfig, run_file: str) -> None:
+    """A run file whose DeepSpeed config computes in 16 bits is a GPU's
+    (launch/bench-island-gpu.yaml): without CUDA its launches ran that on the CPU (a 125M
+    model in bf16: 6 GB per rank, minutes a step), figures of no GPU, and said nothing."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    ds = json.loads(Path(cfg.deepspeed_config).read_text())
+    half = [k for k in ("bf16", "bfloat16", "fp16")
+            if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True]  # fmt: skip
+    if half:
+        raise ValueError(
+            f"{run_file}: its deepspeed_config {cfg.deepspeed_config!r} computes in {half[0]}, "
+            "for CUDA GPUs, and there is no CUDA device here; on the CPU: no --run (the tiny "
+            "Llama) or --run launch/bench-island-125m.yaml (fp32)"
+        )
+
+
 def main(args) -> int:
     """The CLI's ``bench island``: args.run (a run file or None), args.steps, args.repeats,
     args.json."""
@@ -969,6 +988,7 @@ def main(args) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.run:
         full = load_run_config(args.run)
+        _check_devices(full, args.run)
         cfg = one_island(full, args.steps)
         if len(full.islands) > 1:
             print(
