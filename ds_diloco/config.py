@@ -559,7 +559,9 @@ class IslandSpec:
     """torch.distributed port of this island (default: picked free)."""
 
     include: str | None = None
-    """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'."""
+    """GPU machines: the deepspeed launcher's --include, e.g. 'localhost:0,1'. Unset, on a
+    host with CUDA devices: devices of its own, after the previous islands' (in the file's
+    order), where all islands fit; else its first world_size devices."""
     train: TrainConfig | None = None
     """This island's inner loop. In a run file, keys given here override the run's
     ``train`` section for this island alone (islands on other hardware: a larger

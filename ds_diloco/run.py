@@ -244,6 +244,29 @@ def local_slots(spec) -> list[int] | None:
     return hosts["localhost"] if list(hosts) == ["localhost"] else None
 
 
+def gpu_slots(islands, gpus: int) -> dict[str, list[int]]:
+    """On a host with ``gpus`` CUDA devices, the devices of each local island that names no
+    ``include``: devices of its own, in the file's order, beside those other islands'
+    ``include`` names, where they all fit; else none ({}: each island on its first
+    world_size devices, as on the CPU). Without it two islands of 4 on 8 GPUs both ran on
+    GPUs 0-3 (the launcher's CUDA_VISIBLE_DEVICES), sharing them, and 4-7 stayed idle."""
+    taken: set[int] = set()
+    for spec in islands:
+        if spec.include:
+            hosts = parse_include(spec.include)
+            if "localhost" in hosts and hosts["localhost"] is None:
+                return {}  # every device of this host (the hostfile's slots)
+            taken.update(hosts.get("localhost") or ())
+    free = [g for g in range(gpus) if g not in taken]
+    bare = [spec for spec in islands if not spec.include]
+    if sum(spec.world_size for spec in bare) > len(free):
+        return {}
+    out = {}
+    for spec in bare:
+        out[spec.name], free = free[: spec.world_size], free[spec.world_size :]
+    return out
+
+
 def _read_token(path: Path) -> str | None:
     try:
         return path.read_text().strip() or None
@@ -280,6 +303,8 @@ class LocalRun:
             kept = None if fresh else _read_token(self.token_file)
             self.token = kept or secrets.token_urlsafe(24)
         self.env = _env(self.token, sum(i.world_size for i in cfg.islands))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self._gpu_slots = gpu_slots(cfg.islands, gpus)  # islands on GPUs of their own
         self.coordinator: subprocess.Popen | None = None
         self.islands: dict[str, subprocess.Popen] = {}
         self.url = ""
@@ -469,7 +494,7 @@ class LocalRun:
 
     def _slots_for_launch(self, spec) -> tuple[int, ...] | None:
         """A local island's slots for its next launch (None: on other hosts, all of them)."""
-        every = local_slots(spec)
+        every = self._gpu_slots.get(spec.name) or local_slots(spec)
         if every is None:
             return None
         state = self.slot_states.setdefault(spec.name, SlotState(tuple(every)))

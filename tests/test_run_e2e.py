@@ -879,6 +879,39 @@ def test_local_islands_skip_the_runner_with_the_world_info_it_would_build(includ
     assert "--master_port=29500" in cmd
 
 
+@pytest.mark.parametrize(
+    ("gpus", "islands", "want"),
+    [(8, [("a", 4, None), ("b", 4, None)], {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}),
+     (4, [("a", 1, "localhost:0"), ("b", 2, None)], {"b": [1, 2]}),
+     (2, [("a", 2, None), ("b", 2, None)], {}),  # they do not fit: shared, as before
+     (8, [("a", 2, "localhost"), ("b", 2, None)], {}),  # a takes every device
+     (0, [("a", 1, None), ("b", 1, None)], {})],
+)  # fmt: skip
+def test_local_islands_on_gpus_get_devices_of_their_own(gpus, islands, want):
+    from ds_diloco.config import IslandSpec
+
+    specs = [IslandSpec(name=n, world_size=w, include=i) for n, w, i in islands]
+    assert run_mod.gpu_slots(specs, gpus) == want
+
+
+def test_a_runs_islands_launch_on_gpus_of_their_own(tmp_path, tiny_config_path, monkeypatch):
+    # Two islands of 2 on a host of 4 GPUs, the run file naming no include: both launched
+    # with the world info {"localhost": [0, 1]} (the launcher's CUDA_VISIBLE_DEVICES=0,1),
+    # sharing two GPUs while two stayed idle.
+    import base64
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    islands = [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 2}]
+    lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, 4)))
+    devices = {}
+    for spec in lr.cfg.islands:
+        cmd = run_mod.launcher_cmd(spec, 29500, lr._slots_for_launch(spec))
+        (info,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
+        devices[spec.name] = json.loads(base64.urlsafe_b64decode(info))["localhost"]
+    assert devices == {"a": [0, 1], "b": [2, 3]}, devices
+
+
 def test_a_run_files_default_folders_are_the_same_for_its_islands_and_coordinator(
     tmp_path, tiny_config_path, monkeypatch
 ):
