@@ -1072,6 +1072,7 @@ def load_island_config(path: str | os.PathLike) -> IslandConfig:
     base = Path(path).resolve().parent
     cfg = from_dict(IslandConfig, _resolve_paths(load_file(path), base, FILE_PATHS))
     _check_files(cfg)
+    _check_workdir_island(cfg)
     if cfg.coordinator_ca is not None:
         from ds_diloco.tls import client_context
 
@@ -1080,6 +1081,25 @@ def load_island_config(path: str | os.PathLike) -> IslandConfig:
         except ValueError as e:
             raise ValueError(f"coordinator_ca: {e}") from None
     return cfg
+
+
+def _check_workdir_island(cfg: IslandConfig) -> None:
+    """The island's workdir is no other island's (its progress.jsonl names the island that
+    began it). An island file copied for another island with its workdir left as it was
+    resumed the other's checkpoint (its AdamW state and its shard's data position) and
+    saved its own over it, silently."""
+    try:
+        with (Path(cfg.workdir) / "progress.jsonl").open() as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):  # none yet, or unreadable: nothing to compare
+        return
+    other = first.get("island") if isinstance(first, dict) else None
+    if isinstance(other, str) and other != cfg.island:
+        raise ValueError(
+            f"workdir {cfg.workdir!r} belongs to island {other!r} (its progress.jsonl names "
+            f"it; its checkpoints are there): island {cfg.island!r} would resume and overwrite "
+            "them; give each island a workdir of its own"
+        )
 
 
 def _island_train(islands, train):

@@ -711,6 +711,26 @@ def test_island_file_paths_are_checked_at_load(tmp_path):
             load_island_config(write_yaml(path, with_changes(island, changes)))
 
 
+def test_an_island_file_whose_workdir_is_another_islands_is_refused(tmp_path):
+    # island-a.yaml copied for a third island, `island: c` and its shard edited, its workdir
+    # left as it was: island c resumed island a's checkpoint (AdamW state, data position of
+    # a's shard: "loaded from its universal form") and saved its own over it, silently.
+    work = tmp_path / "island-a"
+    work.mkdir()
+    started = {"island": "a", "step": 0, "tokens": 0, "started_at": 1.0, "resumed": False}
+    (work / "progress.jsonl").write_text(
+        json.dumps(started) + "\n" + '{"island": "a", "step": 2}\n'
+    )
+    island = {"island": "a", "coordinator_url": "http://h:1", "model": {"config": str(TINY)},
+              "deepspeed_config": str(ZERO3_CPU), "data": {"path": "t"}, "workdir": str(work)}  # fmt: skip
+    path = tmp_path / "island.yaml"
+    assert load_island_config(write_yaml(path, island)).island == "a"  # its own: resumed
+    with pytest.raises(ValueError, match=r"workdir '\S+/island-a' belongs to island 'a' .* "
+                       r"island 'c' would resume and overwrite them; give each island a workdir"):  # fmt: skip
+        load_island_config(write_yaml(path, {**island, "island": "c"}))
+    assert load_island_config(write_yaml(path, {**island, "island": "c", "workdir": "c"}))
+
+
 def test_example_coordinator_config_values():
     cfg = load_coordinator_config(REPO / "launch" / "coordinator.yaml")
     assert Path(cfg.model.config).resolve() == REPO / "model_configs" / "tiny-llama.json"
