@@ -218,20 +218,27 @@ def plain_dict(obj) -> dict:
     return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
 
 
-def launcher_cmd(spec, port: int, slots: Sequence[int] | None = None) -> list[str]:
+def launcher_cmd(
+    spec, port: int, slots: Sequence[int] | None = None, devices: Sequence | None = None
+) -> list[str]:
     """The deepspeed launcher command line for one island, up to the script.
 
     A local island goes straight to ``deepspeed.launcher.launch`` (the per-node launcher the
     ``deepspeed`` runner would exec for it) with the same world info the runner would
     build: the runner's own start-up (a second deepspeed import, ~3 s of CPU) buys nothing
     on one host. An ``include`` naming other hosts keeps the runner and its ssh/pdsh path.
-    ``slots``: a local island's slots for this launch (default: all of them).
+    ``slots``: a local island's slots for this launch (default: all of them). ``devices``:
+    the host's visible devices (:func:`visible_devices`), which the slots of an island
+    without ``include`` index, as the runner takes them (an explicit include is the
+    devices' own ids, there too).
     """
     slots = list(slots) if slots is not None else local_slots(spec)
     if slots is None:
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port),
                 "--include", spec.include]  # fmt: skip
-    info = base64.urlsafe_b64encode(json.dumps({"localhost": slots}).encode()).decode()
+    mapped = devices and not spec.include and max(slots) < len(devices)
+    ids = [devices[s] for s in slots] if mapped else slots
+    info = base64.urlsafe_b64encode(json.dumps({"localhost": ids}).encode()).decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}",
             "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
 
@@ -244,12 +251,24 @@ def local_slots(spec) -> list[int] | None:
     return hosts["localhost"] if list(hosts) == ["localhost"] else None
 
 
-def gpu_slots(islands, gpus: int) -> dict[str, list[int]]:
+def visible_devices() -> list | None:
+    """The CUDA devices this process was given (``CUDA_VISIBLE_DEVICES``: a Slurm job's, a
+    user's), None where it is unset or there is no CUDA. The launcher sets each rank's
+    CUDA_VISIBLE_DEVICES to its world info's ids: slots 0..n-1 as ids put the islands on
+    GPUs 0..n-1 whatever the variable said (the runner maps its slots through it)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not text or not torch.cuda.is_available():
+        return None
+    return [int(d) if d.strip().isdigit() else d.strip() for d in text.split(",") if d.strip()]
+
+
+def gpu_slots(islands, gpus: int, devices: Sequence | None = None) -> dict[str, list[int]]:
     """On a host with ``gpus`` CUDA devices, the devices of each local island that names no
     ``include``: devices of its own, in the file's order, beside those other islands'
     ``include`` names, where they all fit; else none ({}: each island on its first
     world_size devices, as on the CPU). Without it two islands of 4 on 8 GPUs both ran on
-    GPUs 0-3 (the launcher's CUDA_VISIBLE_DEVICES), sharing them, and 4-7 stayed idle."""
+    GPUs 0-3 (the launcher's CUDA_VISIBLE_DEVICES), sharing them, and 4-7 stayed idle.
+    ``devices``: the ids the slots stand for (:func:`visible_devices`; default: the slots)."""
     taken: set[int] = set()
     for spec in islands:
         if spec.include:
@@ -257,7 +276,8 @@ def gpu_slots(islands, gpus: int) -> dict[str, list[int]]:
             if "localhost" in hosts and hosts["localhost"] is None:
                 return {}  # every device of this host (the hostfile's slots)
             taken.update(hosts.get("localhost") or ())
-    free = [g for g in range(gpus) if g not in taken]
+    ids = list(devices) if devices and len(devices) >= gpus else list(range(gpus))
+    free = [g for g in range(gpus) if ids[g] not in taken]
     bare = [spec for spec in islands if not spec.include]
     if sum(spec.world_size for spec in bare) > len(free):
         return {}
@@ -304,7 +324,8 @@ class LocalRun:
             self.token = kept or secrets.token_urlsafe(24)
         self.env = _env(self.token, sum(i.world_size for i in cfg.islands))
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self._gpu_slots = gpu_slots(cfg.islands, gpus)  # islands on GPUs of their own
+        self._devices = visible_devices()  # what the slots index
+        self._gpu_slots = gpu_slots(cfg.islands, gpus, self._devices)  # GPUs of their own
         self.coordinator: subprocess.Popen | None = None
         self.islands: dict[str, subprocess.Popen] = {}
         self.url = ""
@@ -477,7 +498,8 @@ class LocalRun:
         if not port:
             port = self._island_ports[spec.name] = free_port()
         slots = self._slots_for_launch(spec)
-        cmd = [*launcher_cmd(spec, port, slots), "--module", "ds_diloco.cli", "island"]
+        cmd = [*launcher_cmd(spec, port, slots, self._devices), "--module", "ds_diloco.cli",
+               "island"]  # fmt: skip
         cmd += [*(["--plain"] if plain else []), "--config", str(d / "island.json")]
         with stop_deferred(), (d / "log.txt").open("a") as log:  # restarts append to the same log
             self._log_at[spec.name] = self._log_read[spec.name] = log.tell()  # this launch's

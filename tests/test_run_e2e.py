@@ -892,24 +892,51 @@ def test_local_islands_on_gpus_get_devices_of_their_own(gpus, islands, want):
 
     specs = [IslandSpec(name=n, world_size=w, include=i) for n, w, i in islands]
     assert run_mod.gpu_slots(specs, gpus) == want
+    # Given GPUs 4-7 (CUDA_VISIBLE_DEVICES), an include names GPU 4 itself, which is slot 0.
+    specs = [IslandSpec(name="a", world_size=1, include="localhost:4"), IslandSpec(name="b")]
+    assert run_mod.gpu_slots(specs, 4, [4, 5, 6, 7]) == {"b": [1]}
 
 
-def test_a_runs_islands_launch_on_gpus_of_their_own(tmp_path, tiny_config_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("visible", "want"),
+    [(None, {"a": [0, 1], "b": [2, 3]}), ("4,5,6,7", {"a": [4, 5], "b": [6, 7]}),
+     ("GPU-x,GPU-y,GPU-z,GPU-w", {"a": ["GPU-x", "GPU-y"], "b": ["GPU-z", "GPU-w"]})],
+)  # fmt: skip
+def test_a_runs_islands_launch_on_gpus_of_their_own(
+    tmp_path, tiny_config_path, monkeypatch, visible, want
+):
     # Two islands of 2 on a host of 4 GPUs, the run file naming no include: both launched
     # with the world info {"localhost": [0, 1]} (the launcher's CUDA_VISIBLE_DEVICES=0,1),
-    # sharing two GPUs while two stayed idle.
+    # sharing two GPUs while two stayed idle. And the world info's ids are the devices the
+    # run was given (CUDA_VISIBLE_DEVICES: a Slurm job's), as the deepspeed runner takes
+    # them: the launcher sets the ranks' CUDA_VISIBLE_DEVICES to those ids, and slots as ids
+    # put a run given GPUs 4-7 on GPUs 0-3.
     import base64
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     islands = [{"name": "a", "world_size": 2}, {"name": "b", "world_size": 2}]
     lr = LocalRun(load_run_config(write_run_file(tmp_path, tiny_config_path, islands, 4)))
     devices = {}
-    for spec in lr.cfg.islands:
-        cmd = run_mod.launcher_cmd(spec, 29500, lr._slots_for_launch(spec))
+    popen = subprocess.Popen
+
+    def launch(cmd, **kwargs):  # what start_island launches, noted; a process that exits
         (info,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
-        devices[spec.name] = json.loads(base64.urlsafe_b64decode(info))["localhost"]
-    assert devices == {"a": [0, 1], "b": [2, 3]}, devices
+        devices[cmd[cmd.index("--config") + 1]] = json.loads(base64.urlsafe_b64decode(info))
+        return popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(run_mod.subprocess, "Popen", launch)
+    try:
+        for shard, spec in enumerate(lr.cfg.islands):
+            lr.start_island(spec, shard, 2)
+    finally:
+        lr.stop()
+    got = {Path(k).parent.name: v["localhost"] for k, v in devices.items()}
+    assert got == want, got
 
 
 def test_a_run_files_default_folders_are_the_same_for_its_islands_and_coordinator(
