@@ -42,3 +42,43 @@ def test_gpu_check_cpu_fallback_runs_both_modes_and_says_so(tmp_path):
     # On the CPU the shard is host memory: applied from the base, no copy to a device.
     assert ds["applies"][0] == 0 < ds["applies"][1] and plain["applies"] == [0, 0]
     assert f"0 of {ds['applies'][1]} applies from a copy on the device" in p.stdout
+
+
+def test_the_islands_take_the_gpus_the_job_was_given(tmp_path, monkeypatch):
+    # A job given GPUs 4-7 (CUDA_VISIBLE_DEVICES, as Slurm sets it): the islands had
+    # include 'localhost:0,1' and 'localhost:2,3', the devices' own ids to the launcher,
+    # and ran on GPUs 0-3 (someone else's, or none at all where the job sees only its own).
+    import argparse
+    import base64
+
+    import torch
+
+    from ds_diloco import run as run_mod
+    from ds_diloco.bench import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    args = argparse.Namespace(
+        model=str(REPO / "model_configs" / "tiny-llama.json"),
+        deepspeed_config=str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+        corpus=str(REPO / "tests" / "data"), vocab_size=512, seq_len=32,
+        cache_dir=str(tmp_path / "cache"), steps=2, micro_batch=2, fragments=2, sync_every=4,
+        compression="none",
+    )  # fmt: skip
+    lr = run_mod.LocalRun(gpu_check.run_config(args, tmp_path / "run"))
+    devices, popen = {}, subprocess.Popen
+
+    def launch(cmd, **kwargs):  # what start_island launches, noted; a process that exits
+        (info,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
+        name = Path(cmd[cmd.index("--config") + 1]).parent.name
+        devices[name] = json.loads(base64.urlsafe_b64decode(info))["localhost"]
+        return popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(run_mod.subprocess, "Popen", launch)
+    try:
+        for shard, spec in enumerate(lr.cfg.islands):
+            lr.start_island(spec, shard, 2, plain=True)
+    finally:
+        lr.stop()
+    assert devices == {"island-a": [4, 5], "island-b": [6, 7]}, devices

@@ -43,19 +43,11 @@ MODES = ("plain", "ds_diloco")
 
 def run_config(args, workdir: Path) -> RunConfig:
     gpus = torch.cuda.device_count()
-    if gpus >= 2:
-        half = gpus // 2
-        groups = [list(range(half)), list(range(half, 2 * half))]
-    else:  # one GPU: both islands on it; none: CPU ranks
-        groups = [[0], [0]]
-    islands = tuple(
-        IslandSpec(
-            name=f"island-{'ab'[i]}",
-            world_size=len(g),
-            include=f"localhost:{','.join(map(str, g))}" if gpus else None,
-        )
-        for i, g in enumerate(groups)
-    )
+    # Half of the GPUs each (one GPU: both islands on it; none: CPU ranks). No include:
+    # the run lays islands out on the devices CUDA_VISIBLE_DEVICES gives it, where an
+    # include's ids are the devices' own (GPUs 0 and 1 for a job given GPUs 2 and 3).
+    size = max(1, gpus // 2)
+    islands = tuple(IslandSpec(name=f"island-{x}", world_size=size) for x in "ab")
     model = ModelSource(config=str(Path(args.model).resolve()), seed=0)
     coordinator = CoordinatorConfig(
         model=model,
@@ -183,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available()
         else "CPU (no CUDA)"
     )
-    sizes = " + ".join(f"{s.name} x{s.world_size} ({s.include or 'cpu'})" for s in cfg.islands)
+    where_ranks = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = " + ".join(f"{s.name} x{s.world_size} ({where_ranks})" for s in cfg.islands)
     print(
         f"gpu_check: {Path(args.model).name}, {Path(args.deepspeed_config).name} on {where}; "
         f"islands {sizes}; {args.steps} steps of micro_batch {args.micro_batch} x "
