@@ -210,6 +210,25 @@ def test_handwritten_yaml_loads(tmp_path):
     assert s.seed is None and s.end_s == 7.0
 
 
+def test_a_file_reads_floats_with_exponents_and_refuses_a_key_given_twice(tmp_path):
+    # JSON writes 2e-05 for a small float, and people write 5e-2: YAML 1.1 read both as
+    # strings, so to_file's own JSON came back refused ("at_s must be a number, got
+    # '2e-05'"). A key given twice kept its last value and dropped the other unnamed.
+    s = Schedule((Event(at_s=2e-05, kind="net_delay", target="a", duration_s=5, delay_s=1e-3),))
+    s.to_file(tmp_path / "s.json")
+    assert Schedule.from_file(tmp_path / "s.json") == s
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "events:\n  - {at_s: 1e1, kind: slow, target: a, duration_s: 5, extra_s: 5e-2}\n"
+    )
+    assert Schedule.from_file(path).events[0].extra_s == 0.05
+    path.write_text(
+        "events:\n  - {at_s: 5, kind: stall, target: a, duration_s: 3, duration_s: 30}\n"
+    )
+    with pytest.raises(ValueError, match=r"s\.yaml.*duplicate key 'duration_s'.*line 2"):
+        Schedule.from_file(path)
+
+
 @pytest.mark.parametrize(
     "events, message",
     [

@@ -293,12 +293,17 @@ class Schedule:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"schedule file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
+        from ds_diloco.config import _Loader
+
+        try:  # as config files: 5e-2 (and to_file's JSON 2e-05) a float, a key twice refused
+            data = yaml.load(p.read_text(), Loader=_Loader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ValueError(f"schedule file {str(p)!r} is not valid YAML/JSON{at}") from None
+            problem = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ValueError(
+                f"schedule file {str(p)!r} is not valid YAML/JSON: {problem}{at}"
+            ) from None
         try:
             return cls.from_dict(data)
         except ValueError as e:
