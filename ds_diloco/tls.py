@@ -70,13 +70,31 @@ def client_context(ca_file: str | None = None) -> ssl.SSLContext:
     return ctx
 
 
+_NOT_FOR_THIS_HOST = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
+_OUT_OF_DATE = (9, 10)  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+
+
 def explain(error: ssl.SSLError, url: str) -> str:
     """What a failed TLS handshake with the coordinator at ``url`` means, and what to do."""
     if isinstance(error, ssl.SSLCertVerificationError):
+        # A trusted certificate for another host, or out of date, is refused the same
+        # whatever the client trusts: trusting it again (the advice for the rest) fixes
+        # nothing.
+        if error.verify_code in _NOT_FOR_THIS_HOST:
+            fix = (
+                "reach the coordinator by a name or IP address its certificate's "
+                "subjectAltName lists, or give it a certificate for this one"
+            )
+        elif error.verify_code in _OUT_OF_DATE:
+            fix = "give the coordinator a new certificate (or check this machine's clock)"
+        else:
+            fix = (
+                f"trust it with the island's coordinator_ca or ${CA_FILE_ENV} (a PEM file "
+                "holding it or its CA)"
+            )
         return (
             f"TLS with the coordinator at {url}: its certificate was refused "
-            f"({error.verify_message}); trust it with the island's coordinator_ca or "
-            f"${CA_FILE_ENV} (a PEM file holding it or its CA)"
+            f"({error.verify_message}); {fix}"
         )
     if error.reason == "WRONG_VERSION_NUMBER":
         return f"the coordinator at {url} does not speak TLS: use http:// (or give it tls_cert)"

@@ -340,3 +340,49 @@ def test_status_and_export_take_the_coordinators_certificate_with_ca_file(
     model = AutoModelForCausalLM.from_pretrained(out)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), theta[name]), name
+
+
+def test_a_certificate_for_another_host_or_out_of_date_is_not_told_to_be_trusted(
+    certs, tiny_config_path, tmp_path, monkeypatch
+):
+    # Both said "trust it with the island's coordinator_ca", which the client already did:
+    # trusting it again changes nothing. Each names what would.
+    import http.server
+    import ssl
+    import threading
+
+    monkeypatch.delenv(tls.CA_FILE_ENV, raising=False)
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cfg = dataclasses.replace(coordinator_cfg(tiny_config_path, tmp_path / "s"),
+                              tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"))  # fmt: skip
+    with ServerThread(cfg) as srv:
+        url = srv.url.replace("127.0.0.1", "localhost")  # the certificate names 127.0.0.1
+        with pytest.raises(TLSError) as e:
+            CoordinatorClient(url, TOKEN, retries=0, ca_file=str(tmp_path / "ca.pem")).health()
+    msg = str(e.value)
+    assert "certificate was refused" in msg and "not valid for 'localhost'" in msg, msg
+    assert "coordinator_ca" not in msg and "subjectAltName" in msg, msg
+    # A certificate that expired while the coordinator served it (it was checked at start).
+    now = datetime.datetime.now(datetime.timezone.utc)
+    leaf = ca.issue_cert("127.0.0.1", not_before=now - datetime.timedelta(days=30),
+                         not_after=now - datetime.timedelta(days=1))  # fmt: skip
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(ctx)
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = CoordinatorClient(f"https://127.0.0.1:{httpd.server_port}", TOKEN, retries=0,
+                                   ca_file=str(tmp_path / "ca.pem"))  # fmt: skip
+        with pytest.raises(TLSError) as e:
+            client.health()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    msg = str(e.value)
+    assert "certificate has expired" in msg and "coordinator_ca" not in msg, msg
+    assert "new certificate" in msg, msg
