@@ -386,3 +386,33 @@ def test_a_certificate_for_another_host_or_out_of_date_is_not_told_to_be_trusted
     msg = str(e.value)
     assert "certificate has expired" in msg and "coordinator_ca" not in msg, msg
     assert "new certificate" in msg, msg
+
+
+def test_the_chaos_proxies_reach_a_coordinator_that_listens_elsewhere_than_127_0_0_1(
+    tiny_config_path, tmp_path
+):
+    # `ds-diloco chaos` proxied every island to 127.0.0.1 whatever coordinator.host said:
+    # with host 192.0.2.2 each island was reset for 150 s, gave up ("a coordinator serving
+    # TLS closes http:// connections: https?") and the harness crashed on its records. And
+    # over TLS the islands were given https://127.0.0.1:..., which a certificate for the
+    # coordinator's address does not name.
+    from ds_diloco.chaos.harness import island_proxies
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    leaf = ca.issue_cert("127.0.0.2")
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    tls_files = {"tls_cert": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem")}
+    for i, files in enumerate(({}, tls_files)):
+        cfg = coordinator_cfg(tiny_config_path, tmp_path / f"s{i}", host="127.0.0.2", **files)
+        with ServerThread(cfg) as srv:
+            proxies = island_proxies(srv.url, ["a", "b"])
+            try:
+                for p in proxies.values():
+                    client = CoordinatorClient(p.url, TOKEN, retries=0, timeout_s=10,
+                                               ca_file=str(tmp_path / "ca.pem"))  # fmt: skip
+                    assert client.health()["ok"], p.url
+            finally:
+                for p in proxies.values():
+                    p.close()

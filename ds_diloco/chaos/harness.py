@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ds_diloco.chaos.proxy import ChaosProxy
 from ds_diloco.chaos.schedule import Injector, Schedule
@@ -330,6 +332,20 @@ def _with_workdir(cfg: RunConfig, workdir: Path, **train) -> RunConfig:
                                train=dataclasses.replace(cfg.train, **train), islands=islands)  # fmt: skip
 
 
+def island_proxies(url: str, islands: list[str]) -> dict[str, ChaosProxy]:
+    """A started proxy per island to the coordinator at ``url``: to its host (not always
+    127.0.0.1), and listening at its address when it is one, so that the URL the islands
+    get names what the coordinator's certificate does."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    try:
+        listen = str(ipaddress.ip_address(host))
+    except ValueError:  # a name (localhost): it may stand for several addresses
+        listen = "127.0.0.1"
+    return {name: ChaosProxy(host, parts.port, listen_host=listen, scheme=parts.scheme).start()
+            for name in islands}  # fmt: skip
+
+
 def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout) -> dict:
     """One Decoupled DiLoCo run, under ``schedule`` if given; its figures."""
     from ds_diloco.data import section_tokenizer
@@ -344,9 +360,7 @@ def run_diloco(cfg: RunConfig, schedule: Schedule | None, workdir: Path, heldout
     watcher = injector = schedule_t0 = None
     try:  # the islands start up while the coordinator does
         lr.spawn_coordinator()
-        scheme = lr.url.partition("://")[0]
-        proxies = {s.name: ChaosProxy("127.0.0.1", lr._port, scheme=scheme).start()
-                   for s in cfg.islands}  # fmt: skip
+        proxies = island_proxies(lr.url, [s.name for s in cfg.islands])
         lr.island_urls = {name: p.url for name, p in proxies.items()}
         lr.start_islands()
         client = lr.wait_for_coordinator()

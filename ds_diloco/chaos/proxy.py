@@ -128,7 +128,7 @@ class ChaosProxy:
             self._stop_loop()
             raise
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("chaos proxy 127.0.0.1:%d -> %s:%d", self.port, *self._target)
+        log.info("chaos proxy %s:%d -> %s:%d", self.listen_host, self.port, *self._target)
         return self
 
     def close(self) -> None:
@@ -149,10 +149,11 @@ class ChaosProxy:
 
     @property
     def url(self) -> str:
-        """``http(s)://127.0.0.1:<port>``: what the island should use as the coordinator's URL."""
+        """``http(s)://<listen_host>:<port>``: what the island should use as the coordinator's URL."""
         if self.port is None:
             raise RuntimeError("ChaosProxy not started")
-        return f"{self.scheme}://{self.listen_host}:{self.port}"
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host  # IPv6
+        return f"{self.scheme}://{host}:{self.port}"
 
     @property
     def target(self) -> tuple[str, int]:
