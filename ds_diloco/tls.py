@@ -59,13 +59,19 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
 
 def client_context(ca_file: str | None = None) -> ssl.SSLContext:
     """A client's context: the system's CAs, or only ``ca_file`` (else $DS_DILOCO_CA_FILE)."""
+    # One from the environment is named as such: set long ago, the user gave no file.
+    what = (
+        f"CA file {ca_file!r}"
+        if ca_file
+        else f"CA file {os.environ.get(CA_FILE_ENV)!r} (${CA_FILE_ENV})"
+    )
     ca_file = ca_file or os.environ.get(CA_FILE_ENV) or None
     if ca_file is not None and not os.path.isfile(ca_file):
-        raise ValueError(f"CA file {ca_file!r} (the coordinator's certificate) does not exist")
+        raise ValueError(f"{what} (the coordinator's certificate) does not exist")
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except ssl.SSLError as e:
-        raise ValueError(f"CA file {ca_file!r} holds no PEM certificate: {e.reason or e}") from None
+        raise ValueError(f"{what} holds no PEM certificate: {e.reason or e}") from None
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return ctx
 

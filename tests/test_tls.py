@@ -416,3 +416,20 @@ def test_the_chaos_proxies_reach_a_coordinator_that_listens_elsewhere_than_127_0
             finally:
                 for p in proxies.values():
                     p.close()
+
+
+def test_a_bad_ca_file_from_the_environment_is_named_as_such(tmp_path, monkeypatch, capsys):
+    # Set in a shell profile long ago, it was named as "CA file '...'" alone: the user of
+    # `ds-diloco status`, who gave no --ca-file, could not tell where it came from.
+    from ds_diloco.cli import main as cli_main
+
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    for path, problem in ((tmp_path / "gone.pem", "does not exist"),
+                          (tmp_path / "garbage.pem", "holds no PEM certificate")):  # fmt: skip
+        monkeypatch.setenv(tls.CA_FILE_ENV, str(path))
+        assert cli_main(["status", "https://127.0.0.1:9", "--token", "t"]) == 2
+        err = capsys.readouterr().err
+        assert f"CA file '{path}' (${tls.CA_FILE_ENV})" in err and problem in err, err
+        with pytest.raises(ValueError) as e:  # one given is named as before
+            tls.client_context(str(path))
+        assert tls.CA_FILE_ENV not in str(e.value) and problem in str(e.value), e.value
