@@ -172,6 +172,30 @@ def test_chaos_names_its_bad_flags(tmp_path, capsys, flags, message):
     assert not (tmp_path / "run").exists() and not (tmp_path / "run-chaos").exists()
 
 
+def test_chaos_refuses_a_seeded_schedule_that_drew_no_fault(tmp_path, capsys, monkeypatch):
+    # --duration 30 drew no event for half the seeds (none at all up to the 10 s warm-up):
+    # the chaos, reference and baseline runs went on for minutes, fault-free, and the report
+    # said "events injected: 0 ()" beside a goodput ratio.
+    from ds_diloco.chaos import harness
+    from ds_diloco.cli import main as cli_main
+
+    def run_chaos(cfg, schedule, *a, **kw):  # the runs: not started here
+        raise AssertionError(f"the runs started under a schedule of {len(schedule)} faults")
+
+    monkeypatch.setattr(harness, "run_chaos", run_chaos)
+    run = {"model": {"config": str(REPO / "model_configs" / "tiny-llama.json")},
+           "deepspeed_config": str(REPO / "model_configs" / "deepspeed" / "zero3_cpu.json"),
+           "data": {"path": str(REPO / "tests" / "data")}, "islands": [{"name": "a"}],
+           "workdir": str(tmp_path / "run")}  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert cli_main(["chaos", str(tmp_path / "run.json"), "--duration", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-diloco: error: seed 0 drew no fault in --duration 10 s") and (
+        "--rate" in err
+    ), err
+    assert len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_file_round_trip(tmp_path, suffix):
     s = Schedule(tuple(reversed(ALL_KINDS)), seed=5)

@@ -564,6 +564,13 @@ def main(args) -> int:
             {s.name: s.world_size for s in cfg.islands}, args.duration,
             rate_per_min=args.rate,
         )  # fmt: skip
+        if not schedule.events:  # else three runs of minutes, fault-free, and a ratio
+            raise ValueError(
+                f"seed {args.seed} drew no fault in --duration {args.duration:g} s at --rate "
+                f"{args.rate:g} per minute (faults start after a 10 s warm-up and must end "
+                "within the duration): give a longer --duration, a higher --rate or another "
+                "--seed"
+            )
     workdir = Path(args.workdir or Path(cfg.workdir).with_name(Path(cfg.workdir).name + "-chaos"))
     # Absolute: the island and coordinator files written under it resolve relative paths
     # against their own folder (a relative --workdir nested the runs inside themselves).
