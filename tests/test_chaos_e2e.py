@@ -274,3 +274,26 @@ def test_the_time_of_an_island_skips_a_progress_line_torn_by_a_kill(tmp_path):
     # The torn line held the second launch's start: its steps count from the first's last.
     assert t == {"allocated_s": 30.0, "steps_run": 20, "launches": 1, "step_s": 0.5,
                  "steps": 20}  # fmt: skip
+
+
+def test_the_report_keeps_the_runs_done_when_a_later_one_is_stopped(
+    tmp_path, tiny_config_path, monkeypatch
+):
+    # chaos-report.json was written once all three runs were done: Ctrl-C (or a failure) in
+    # the baseline, the last, lost the chaos and reference runs' figures, minutes of work.
+    cfg = load_run_config(write_run_file(tmp_path, tiny_config_path, [{"name": "a"}], steps=1))
+    monkeypatch.setattr(harness, "run_diloco", lambda cfg, schedule, workdir, heldout: {
+        "run": "chaos" if schedule else "reference", "wall_s": 1.0})  # fmt: skip
+
+    def stopped(*a, **kw):
+        raise run_mod.Stopped(signal.SIGINT)
+
+    monkeypatch.setattr(harness, "run_baseline", stopped)
+    schedule = Schedule([Event(at_s=1.0, kind="stall", target="a", duration_s=1.0)])
+    workdir = tmp_path / "chaos"
+    workdir.mkdir()
+    with pytest.raises(run_mod.Stopped):
+        harness.run_chaos(cfg, schedule, workdir)
+    report = json.loads((workdir / "chaos-report.json").read_text())
+    assert report["chaos"]["run"] == "chaos" and report["reference"]["run"] == "reference"
+    assert "baseline" not in report and report["schedule"] == schedule.to_dict()

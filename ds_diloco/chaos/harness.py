@@ -478,12 +478,18 @@ def run_chaos(cfg: RunConfig, schedule: Schedule, workdir: Path, *, reference: b
     _, blocks = prepare_section(d)
     heldout = as_tensor(heldout_split(blocks, d.heldout_fraction, seed=d.seed)[1][:64])
     report: dict = {"schedule": schedule.to_dict()}
+
+    def save() -> None:  # after each run: a stop or a failure in a later one keeps it
+        (workdir / "chaos-report.json").write_text(json.dumps(report, indent=1, default=str))
+
     report["chaos"] = run_diloco(cfg, schedule, workdir / "chaos", heldout)
+    save()
     if reference:
         report["reference"] = run_diloco(cfg, None, workdir / "reference", heldout)
+        save()
     if baseline:
         report["baseline"] = run_baseline(cfg, schedule, workdir / "baseline")
-    (workdir / "chaos-report.json").write_text(json.dumps(report, indent=1, default=str))
+        save()
     return report
 
 
