@@ -42,17 +42,24 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
             f"tls_cert {cert!r} and tls_key {key!r} are not a PEM certificate and its "
             f"private key: {e.reason or e}"
         ) from None
-    # Every client refuses an expired certificate: the coordinator served it, and each
-    # island failed its handshake. (The standard library's one reader of its dates is
-    # private: where it is gone, the handshakes say it.)
+    # Every client refuses an expired certificate, or one not valid yet: the coordinator
+    # served it, and each island failed its handshake. (The standard library's one reader
+    # of its dates is private: where it is gone, the handshakes say it.)
     try:
-        expires = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(cert)["notAfter"])
+        dates = ssl._ssl._test_decode_cert(cert)
+        starts, expires = (ssl.cert_time_to_seconds(dates[k]) for k in ("notBefore", "notAfter"))
     except (AttributeError, KeyError, ValueError, ssl.SSLError):
-        expires = math.inf
+        starts, expires = -math.inf, math.inf
     if expires < time.time():
         raise ValueError(
             f"tls_cert {cert!r} expired on {time.strftime('%Y-%m-%d', time.gmtime(expires))}: "
             "clients refuse it; give it a new certificate"
+        )
+    if starts > time.time():
+        raise ValueError(
+            f"tls_cert {cert!r} is not valid before "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(starts))}: clients refuse it "
+            "until then; give it a certificate valid now (or check this machine's clock)"
         )
     return ctx
 

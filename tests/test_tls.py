@@ -433,3 +433,18 @@ def test_a_bad_ca_file_from_the_environment_is_named_as_such(tmp_path, monkeypat
         with pytest.raises(ValueError) as e:  # one given is named as before
             tls.client_context(str(path))
         assert tls.CA_FILE_ENV not in str(e.value) and problem in str(e.value), e.value
+
+
+def test_a_certificate_not_valid_yet_is_refused_at_start(tmp_path):
+    # As an expired one: loaded without a word, served, and refused by every island.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    leaf = trustme.CA().issue_cert(
+        "127.0.0.1", not_before=now + datetime.timedelta(days=2),
+        not_after=now + datetime.timedelta(days=30),
+    )  # fmt: skip
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    with pytest.raises(
+        ValueError, match=r"^tls_cert '.*cert.pem' is not valid before \d{4}-\d\d-\d\d"
+    ):
+        tls.server_context(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
