@@ -530,6 +530,32 @@ def test_failing_target_call_is_logged_and_chaos_goes_on():
     assert [c[1] for c in rec.calls] == ["kill_rank", "set_net", "set_net"]
 
 
+def test_a_fault_over_one_that_failed_is_applied_not_taken_as_in_effect():
+    # A stall that found no live rank (the island restarting) failed; a stall of the same
+    # island while the first was due made no call ("already in effect") and was logged as
+    # injected: the island never stopped, and the report counted it.
+    clock = FakeClock()
+    rec = Recorder(clock, fail=("stop_island",))
+    s = Schedule(
+        (
+            Event(at_s=1.0, kind="stall", target="a", duration_s=5.0),
+            Event(at_s=2.0, kind="stall", target="a", duration_s=1.0),
+        )
+    )
+    inj = Injector(s, rec, clock=clock).start(background=False)
+    run_to(inj, clock, [1.0])
+    rec.fail = ()  # the island is back
+    run_to(inj, clock, [2.0, 3.0, 6.0])
+    log = inj.log
+    assert [(r["action"], r["event"], r["ok"]) for r in log] == [
+        ("apply", 0, False), ("apply", 1, True), ("revert", 1, True), ("revert", 0, True)
+    ]  # fmt: skip
+    assert [c[1:] for c in rec.calls] == [
+        ("stop_island", "a"), ("stop_island", "a"), ("cont_island", "a")
+    ]  # fmt: skip
+    assert log[1]["calls"] == ["stop_island('a')"]
+
+
 def test_injector_thread_on_the_real_clock():
     rec = Recorder(time.monotonic)
     s = Schedule(

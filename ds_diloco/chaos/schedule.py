@@ -556,6 +556,7 @@ class Injector:
         self._t0: float | None = None
         self._active: dict[int, Event] = {}  # applied, not yet reverted, in application order
         self._channels: dict[tuple[str, str], dict[int, Any]] = {}
+        self._unsure: set[tuple[str, str]] = set()  # (channel, target) whose last call failed
         self._log: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop_evt = threading.Event()
@@ -695,8 +696,13 @@ class Injector:
                     }.get(e.kind, True)
                     self._active[idx] = e
                 after = self._effective(channel, e.target)
-                if after != before:
+                # A knob whose last call failed is not known to hold its value: set again
+                # (an overlapping fault was logged as injected, making no call).
+                key = (channel, e.target)
+                if after != before or key in self._unsure:
+                    self._unsure.add(key)  # until the call returns
                     self._set(calls, channel, e.target, after)
+                    self._unsure.discard(key)
         except Exception as exc:  # a failed call must not stop the chaos (or the run)
             record["ok"] = False
             record["error"] = f"{type(exc).__name__}: {exc}"
