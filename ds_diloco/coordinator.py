@@ -227,7 +227,16 @@ class Coordinator:
             served = max(version, hwm.get(str(frag.index), version))
             fs = self._new_fragment_state(frag, values, served + 1 if served > version else version)
             if optim:
-                fs.optimizer.load_state_dict(optim)
+                try:
+                    fs.optimizer.load_state_dict(optim)
+                except ValueError as e:  # alone, it named neither the file nor the setting
+                    o = self.cfg.outer
+                    raise ValueError(
+                        f"state_dir {self.cfg.state_dir}: fragment {frag.index}'s outer "
+                        f"optimizer state does not fit outer {o.name} (momentum {o.momentum:g}, "
+                        f"every {o.every}): it was written with another outer optimizer "
+                        f"({e}): use a new state_dir or the old outer settings"
+                    ) from None
             fs.saved_version = version
             fs.merges = merges_on_disk(state, frag.index, version)
             fs.merges_at = version

@@ -20,6 +20,7 @@ from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.coordinator import Coordinator, CoordinatorError
 from ds_diloco.merge import NormGuard, StalenessPolicy
 from ds_diloco.metrics import prometheus_text
+from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
 from ds_diloco.server import ServerThread
 from ds_diloco.status_view import render
@@ -1255,6 +1256,39 @@ def test_a_state_written_for_another_model_is_refused(tiny_config_path, tmp_path
         0,
         0,
     ]  # the same: fine
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (OuterOptimConfig(), OuterOptimConfig(name="average")),
+        (OuterOptimConfig(momentum=0.0), OuterOptimConfig(momentum=0.4)),
+        (OuterOptimConfig(), OuterOptimConfig(name="delayed_nesterov")),
+    ],
+)
+def test_a_state_written_with_another_outer_optimizer_is_refused_naming_the_setting(
+    tiny_config_path, tmp_path, before, after
+):
+    # A resume with another outer optimizer said only "ds-diloco: error: outer optimizer
+    # state has unexpected key(s) ['momentum_buffer']": not which file, nor which setting.
+    policy = PolicyOptions(min_quorum=1, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, outer=before)
+    coord.register("a", 1, coord.plan.signature)
+    send(coord, "a", 0, step=2)
+    assert coord.poll(0).merge
+    coord.save(final=True)
+    with pytest.raises(ValueError) as e:
+        make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, outer=after)
+    message = str(e.value)
+    assert str(tmp_path / "s") in message and "fragment 0" in message, message
+    assert "another outer optimizer" in message and "use a new state_dir or the old" in message
+    # The state is untouched: the old settings resume it.
+    again = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, outer=before)
+    assert again.versions() == [1, 0]
+    # Other lr and momentum values are no other optimizer: they resume.
+    if before.momentum:
+        changed = dataclasses.replace(before, lr=0.3, momentum=0.5)
+        assert make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, outer=changed)
 
 
 def test_merge_counts_made_durable_after_the_last_table_save_survive_a_crash(
