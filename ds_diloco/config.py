@@ -132,7 +132,8 @@ class CoordinatorConfig:
     ``ovw``, 50 % -> 9 % in a seed-0 run). False: every island keeps the schedule's phase
     (the paper's schedule)."""
     plain_patterns: tuple[str, ...] = DEFAULT_PLAIN_PATTERNS
-    """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA."""
+    """Regexes of tensor names merged by plain averaging (embeddings); the rest use RDA
+    (with ``outer.name`` average, every tensor is merged by plain averaging)."""
     compression: Codec = dataclasses.field(default_factory=Codec)
     """How islands compress pseudo-gradients on the wire, e.g. ``{name: int4, block: 256}``
     (``name``: none, bf16, int8 or int4; see ``ds_diloco/compress.py``), with error

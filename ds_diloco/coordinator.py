@@ -187,10 +187,12 @@ class Coordinator:
         opt = build_outer_optimizer(self.cfg.outer)
         if self._buffers is None:
             self._buffers = BufferPool(max(f.numel for f in self.plan.fragments))
+        # Model averaging is the plain mean of every tensor: RDA keeps the merged norm at
+        # the islands' mean norm, which moved the global model sqrt(M) times further.
+        plain = ("",) if self.cfg.outer.name == "average" else self.cfg.plain_patterns
         return FragmentState(
-            frag, values, opt, self.cfg.plain_patterns, self.cfg.norm_guard.window, version,
-            pool=self._buffers,
-        )  # fmt: skip
+            frag, values, opt, plain, self.cfg.norm_guard.window, version, pool=self._buffers
+        )
 
     def _load(self) -> None:
         state = self.store.read_json("coordinator.json")

@@ -272,7 +272,8 @@ class OuterOptimConfig:
     """Which outer optimizer the coordinator applies to each fragment."""
 
     name: str = "nesterov"
-    """"nesterov" (DiLoCo's default), "average" (plain model averaging) or "delayed_nesterov"."""
+    """"nesterov" (DiLoCo's default), "average" (plain model averaging: every tensor merged
+    by weighted mean, whatever the coordinator's plain_patterns) or "delayed_nesterov"."""
 
     lr: float = 0.7
     """Outer learning rate eta (> 0); ignored by "average", which always uses 1."""

@@ -1053,6 +1053,34 @@ def _upload_whole(coord, island, fragment, step, full, *, tokens, steps):
     return coord.upload(wire.encode_upload(header, rank_slices(frag, full, 1, 0)))
 
 
+def test_outer_averaging_makes_the_global_model_the_weighted_average_of_the_islands(
+    tiny_config_path, tmp_path
+):
+    # "average" is documented as plain model averaging, but the tensors outside
+    # plain_patterns were merged by RDA: with 2 islands the global model moved 1.4x as
+    # far as the average of their models (sqrt(M) for M nearly orthogonal updates).
+    policy = PolicyOptions(min_quorum=2, grace_gamma=0.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy,
+                 outer=OuterOptimConfig(name="average"))  # fmt: skip
+    for island in ("a", "b"):
+        coord.register(island, 1, coord.plan.signature)
+    frag = coord.plan.fragments[0]
+    before = coord.global_tensors()
+    g = torch.Generator().manual_seed(0)
+    deltas = [{p.name: torch.randn(p.shape, generator=g) * 1e-2 for p in frag.params}
+              for _ in range(2)]  # fmt: skip
+    tokens, steps = (100, 300), (2, 4)
+    for island, d, t, s in zip("ab", deltas, tokens, steps):
+        assert _upload_whole(coord, island, 0, 4, d, tokens=t, steps=s)["status"] == "accepted"
+    assert coord.poll(0).merge
+    got = coord.global_tensors()
+    w = [t * t / s for t, s in zip(tokens, steps)]
+    for p in frag.params:  # the token-weighted mean of the islands' local values
+        locals_ = [before[p.name].double() - d[p.name].double() for d in deltas]
+        want = (w[0] * locals_[0] + w[1] * locals_[1]) / sum(w)
+        assert torch.allclose(got[p.name].double(), want, rtol=1e-5, atol=1e-7), p.name
+
+
 def test_a_failed_merge_changes_nothing_and_its_contributions_merge_next_round(
     tiny_config_path, tmp_path, monkeypatch
 ):
