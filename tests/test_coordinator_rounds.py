@@ -1081,6 +1081,66 @@ def test_outer_averaging_makes_the_global_model_the_weighted_average_of_the_isla
         assert torch.allclose(got[p.name].double(), want, rtol=1e-5, atol=1e-7), p.name
 
 
+def test_merged_values_equal_a_reference_over_mixed_world_sizes_frozen_slices_and_staleness(
+    tiny_config_path, tmp_path
+):
+    """Three rounds of three islands of world sizes 1, 2 and 3, tokens 10^5 against 7, one
+    island leaving a tensor out as frozen (``zeros``) and, in the last round, sending one
+    version stale (policy discount): the served values equal the oracle merge of the
+    whole tensors followed by Nesterov, both written out here in float64."""
+    from ds_diloco.merge import is_plain_tensor, merge_reference
+
+    policy = PolicyOptions(min_quorum=3, grace_gamma=0.0, tau=1)
+    stale_policy = StalenessPolicy(mode="discount", discount_lambda=0.5)
+    coord = make(tiny_config_path, tmp_path / "s", Clock(), policy=policy, staleness=stale_policy)
+    for island, world in (("a", 1), ("b", 2), ("c", 3)):
+        coord.register(island, world, coord.plan.signature)
+    frag = next(f for f in coord.plan.fragments if len(f.names) >= 3)
+    frozen = frag.names[1]
+    assert any(is_plain_tensor(n, coord.cfg.plain_patterns) for n in frag.names)  # both kinds
+    assert not all(is_plain_tensor(n, coord.cfg.plain_patterns) for n in frag.names)
+    theta = {n: coord.global_tensors()[n].double() for n in frag.names}
+    others = {n: t for n, t in coord.global_tensors().items() if n not in theta}
+    lr, mu = coord.cfg.outer.lr, coord.cfg.outer.momentum
+    g = torch.Generator().manual_seed(0)
+    buf: dict[str, torch.Tensor] = {}
+    for rnd in range(3):
+        deltas, weights = [], []
+        # island, world size, tokens, steps, scale, frozen slices, versions stale
+        for island, world, tokens, steps, scale, zeros, stale in (
+            ("a", 1, 100_000, 2, 1e-3, (), 0),
+            ("b", 2, 7, 3, 1e-1, (), 0),
+            ("c", 3, 5_000, 5, 1e-2, (frozen,), 1 if rnd == 2 else 0),
+        ):
+            full = {p.name: torch.randn(p.shape, generator=g) * scale for p in frag.params}
+            for n in zeros:
+                full[n] = torch.zeros_like(full[n])
+            for rank in range(world):
+                header = wire.UploadHeader(
+                    island=island, rank=rank, world_size=world, fragment=frag.index,
+                    base_version=coord.versions()[frag.index] - stale, step=10 * (rnd + 1),
+                    tokens=tokens, steps=steps, zeros=",".join(zeros),
+                )  # fmt: skip
+                sl = {
+                    n: t for n, t in rank_slices(frag, full, world, rank).items() if n not in zeros
+                }
+                reply = coord.upload(wire.encode_upload(header, sl))
+                assert reply["status"] == "accepted", reply
+            deltas.append(full)
+            weights.append(tokens * tokens / steps / (1 + 0.5 * stale))
+        assert coord.poll(frag.index).merge
+        merged = merge_reference(
+            deltas, weights, lambda n: is_plain_tensor(n, coord.cfg.plain_patterns)
+        )
+        for n in frag.names:  # m <- mu m + D (m = D at first); theta <- theta - lr (D + mu m)
+            buf[n] = merged[n] if n not in buf else mu * buf[n] + merged[n]
+            theta[n] = theta[n] - lr * (merged[n] + mu * buf[n])
+        got = coord.global_tensors()
+        for n in frag.names:
+            assert torch.allclose(got[n].double(), theta[n], rtol=1e-5, atol=1e-6), (rnd, n)
+        assert all(torch.equal(got[n], t) for n, t in others.items())  # other fragments
+
+
 def test_a_failed_merge_changes_nothing_and_its_contributions_merge_next_round(
     tiny_config_path, tmp_path, monkeypatch
 ):
