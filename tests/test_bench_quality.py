@@ -456,3 +456,19 @@ def test_the_baseline_trains_from_the_seeds_initial_model(tmp_path, tiny_config_
     assert summary["heldout_loss_start"] == pytest.approx(ev.initial(1), abs=1e-4)
     assert r.curve[0] == (0, ev.initial(1)) and r.tokens == s.tokens
     assert not (tmp_path / "zero3" / "initial-model").exists()  # a model's size, removed
+
+
+@pytest.mark.parametrize("visible, want", [(None, ["0,1", "2,3"]), ("4,5,6,7", ["4,5", "6,7"])])
+def test_the_islands_on_gpus_are_the_devices_the_job_was_given(monkeypatch, visible, want):
+    # An include names the devices' own ids (the launcher sets the ranks'
+    # CUDA_VISIBLE_DEVICES to them): a job given GPUs 4-7 ran every island on GPUs 0-3.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    s = dataclasses.replace(Setup(), gpus=4, islands=2, ranks_per_island=2)
+    cfg = run_config(s, s.method("d", "decoupled"), Path("d"))
+    assert [i.include for i in cfg.islands] == [f"localhost:{w}" for w in want]
+    base = run_config(s, s.method("zero3", "zero3"), Path("d"))
+    assert [i.include for i in base.islands] == [f"localhost:{want[0]},{want[1]}"]
