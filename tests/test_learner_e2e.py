@@ -173,7 +173,14 @@ def test_the_last_steps_reach_the_global_model_when_the_island_leaves(tiny_confi
         # Fragments 2 and 3 (sent at 6 and 8, applied long before 13) certainly had steps
         # left; 0 and 1 too unless their result came only at step 13.
         assert {(f, r) for f in (2, 3) for r in (0, 1)} <= at_13, table["islands"]["a"]
-        assert island["merged"] == 6 + len(at_13) // 2, island  # 6 scheduled sends
+        # Every upload was merged or dropped, the flush's merged. Of the 6 scheduled sends
+        # (steps 2-12) a loaded machine may skip some by design: fragment 0's step-2 result
+        # applied only at step 10 skips its send there ("applied only now"), or one still on
+        # the way sends on a stale base, dropped (merged == 6 + ... failed so).
+        skipped = len(re.findall(r"a/0 fragment \d+ step \d+: send skipped", proc.stderr))
+        assert not [f for f, s in table["islands"]["a"]["last_dropped"] if s == 13], table
+        sends = 6 - skipped + len(at_13) // 2
+        assert island["merged"] + island["dropped"] == sends, (island, skipped)
 
 
 def run_single(script: Path, args: list[str], timeout: float = 120, **extra_env):
