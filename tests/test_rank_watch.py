@@ -46,12 +46,23 @@ def launch(tmp_path):
         proc.wait()
 
 
+def found(watch: RankWatch, name: str, world: int) -> bool:
+    with watch._lock:
+        return len(watch._launches[name].ranks) == world
+
+
 def test_the_rank_that_dies_first_is_named_not_those_the_launcher_stops(launch):
     watch = RankWatch()
     try:
         launcher, ranks = launch(3)
         watch.watch("a", launcher.pid, 3)
-        time.sleep(0.3)  # the watch has found the ranks
+        # Until the watch has found the ranks: a rank killed before then is a zombie whose
+        # command line it cannot read, never found, and none is blamed (0.3 s of sleep is
+        # not enough where a loaded machine runs its thread's first look later).
+        deadline = time.monotonic() + 30
+        while not found(watch, "a", 3):
+            assert time.monotonic() < deadline, "the watch did not find the ranks"
+            time.sleep(0.01)
         assert watch.first_dead("a") is None
         ranks[1].kill()
         assert launcher.wait(timeout=30) != 0  # it stopped ranks 0 and 2 itself
