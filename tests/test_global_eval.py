@@ -208,7 +208,11 @@ def test_a_watch_goes_on_through_a_coordinator_outage_during_an_evaluation(
         served = srv.coord.traffic["download_bytes"]
         _wait(lambda: srv.coord.traffic["download_bytes"] > served, 30, "an evaluation")
         proxy.set(drop=True)
-        time.sleep(7.5)  # longer than the client's retries (6.2 s)
+        # Down until the evaluation has given up (the client's retries: 6.2 s of backoff
+        # and each attempt's own time): a fixed 7.5 s left about a second for 6 attempts
+        # through a proxy in this busy process, and an evaluation still retrying when the
+        # link came back was answered ("no evaluation from" never came).
+        _wait(lambda: "no evaluation from" in log.read_text(), 60, "the evaluation to give up")
         proxy.set(drop=False)
         seen = len(out.read_text().splitlines())
         _wait(lambda: len(out.read_text().splitlines()) > seen, 30, "an evaluation after")
