@@ -638,12 +638,17 @@ def test_each_node_fills_its_own_cache_once_before_its_other_ranks_read_it():
 
 
 _SLOW_PREPARER = """
-import datetime, json, os, sys, time
+import datetime, json, os, pathlib, sys, time
 import torch.distributed as dist
 from ds_diloco import data, island
 from ds_diloco.config import DataConfig, IslandConfig, ModelSource
 
 rank, cache, timeout_s, config = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
+# Both ranks at the rendezvous together: its timeout is the group's 2 s too, and a loaded
+# machine can finish one rank's imports seconds after the other's ("waiting for clients").
+pathlib.Path(f"{cache}.ready{rank}").touch()
+while not pathlib.Path(f"{cache}.ready{1 - rank}").exists():
+    time.sleep(0.01)
 # The process group's timeout, 30 min in an island, made 2 s: rank 0's turn takes longer.
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
 real = data.prepare_corpus  # what island.load_blocks calls, through data.prepare_section

@@ -647,6 +647,11 @@ import torch.distributed as dist
 from ds_diloco import zero
 
 rank, folder = int(sys.argv[1]), Path(sys.argv[2])
+# Both ranks at the rendezvous together: its timeout is the group's 2 s too, and a loaded
+# machine can finish one rank's imports seconds after the other's ("waiting for clients").
+(folder / f"ready{rank}").touch()
+while not (folder / f"ready{1 - rank}").exists():
+    time.sleep(0.01)
 # The process group's timeout, 30 min in an island, made 2 s: rank 0's conversion takes longer.
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
 real = zero._convert_to_universal
