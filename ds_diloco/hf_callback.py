@@ -18,6 +18,7 @@ Trainer's step counter.
 from __future__ import annotations
 
 import logging
+import threading
 
 from transformers import TrainerCallback
 
@@ -25,6 +26,11 @@ from ds_diloco import zero
 from ds_diloco.learner import Learner, LearnerError
 
 log = logging.getLogger(__name__)
+
+LEASE_HOLD_S = 3600.0
+"""The longest the callback keeps the lease over one save or evaluation of the Trainer: one
+that raised never lets training go on, and a process that lives on (a notebook) must not
+keep an island that no longer trains in the quorums."""
 
 
 class _TrainerEngine:
@@ -91,6 +97,8 @@ class DiLoCoCallback(TrainerCallback):
         self.learner: Learner | None = None
         self.versions: list[int] | None = None  # of the global model taken at the end
         self._seen_tokens = 0
+        self._lease = None  # keep_lease() held over the Trainer's save and evaluation
+        self._lease_lock = threading.Lock()  # released by training or by a timer
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         # transformers 5 says "no"/"all"/...; 4.x a bool: False (its default) or None counts none
@@ -127,6 +135,43 @@ class DiLoCoCallback(TrainerCallback):
         self.learner.start_together(self.start_together)
         self._seen_tokens = state.num_input_tokens_seen
 
+    def _hold_lease_if(self, control) -> None:
+        """The Trainer saves a checkpoint and evaluates after ``on_step_end``/``on_epoch_end``
+        (its DefaultFlowCallback, called first, has set ``control``): minutes for a large
+        model, and the island's lease lapsed meanwhile (the island CLI keeps it over its
+        saves too). Held until training goes on."""
+        if self.learner is None or control is None:
+            return
+        if not (control.should_save or control.should_evaluate):
+            return
+        with self._lease_lock:
+            if self._lease is not None:
+                return
+            lease = self.learner.keep_lease()
+            lease.__enter__()
+            timer = threading.Timer(LEASE_HOLD_S, self._release_lease, args=(lease,))
+            timer.daemon = True
+            self._lease = (lease, timer)
+        timer.start()
+
+    def _release_lease(self, only=None) -> None:
+        """Training went on (or the timer, ``only`` its own lease, ran out)."""
+        with self._lease_lock:
+            if self._lease is None or (only is not None and self._lease[0] is not only):
+                return
+            (lease, timer), self._lease = self._lease, None
+        timer.cancel()
+        lease.__exit__(None, None, None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._release_lease()
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._release_lease()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._hold_lease_if(control)
+
     def on_substep_end(self, args, state, control, **kwargs):
         """A micro-batch of a gradient accumulation: training goes on (the island's lease)."""
         if self.learner is not None:
@@ -143,8 +188,10 @@ class DiLoCoCallback(TrainerCallback):
             world, rank = self.learner.world_size, self.learner.rank
             tokens = island // world + (island % world if rank == 0 else 0)
         self.learner.step(tokens=int(tokens))
+        self._hold_lease_if(control)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._release_lease()
         if self.learner is None:
             return
         # load_best_model_at_end: the Trainer has loaded its best checkpoint into the engine

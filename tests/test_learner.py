@@ -176,6 +176,56 @@ def test_the_callbacks_micro_batches_keep_the_islands_lease():
     assert alive == [1]
 
 
+def test_the_callback_keeps_the_lease_over_the_trainers_saves_and_evaluations(monkeypatch):
+    # The Trainer saves and evaluates after on_step_end: no step, no micro-batch meanwhile,
+    # and a save of a large model's ZeRO-3 checkpoint (minutes) lost the island its lease
+    # ("no training step for ... s: heartbeats stop"): quorums closed without it.
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.trainer_callback import DefaultFlowCallback
+    from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
+    from ds_diloco import hf_callback
+
+    kept = []  # keep_lease() contexts open
+
+    @contextlib.contextmanager
+    def keep_lease():
+        kept.append(1)
+        try:
+            yield
+        finally:
+            kept.pop()
+
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", tokens_per_step=1)
+    cb.learner = SimpleNamespace(step=lambda tokens: [], keep_lease=keep_lease,
+                                 close=lambda **kw: [1])  # fmt: skip
+    args = SimpleNamespace(logging_first_step=False, logging_strategy=IntervalStrategy.NO,
+                           eval_strategy=IntervalStrategy.STEPS, eval_delay=0,
+                           save_strategy=SaveStrategy.STEPS, load_best_model_at_end=False)  # fmt: skip
+    state = TrainerState(max_steps=4, eval_steps=3, save_steps=2)
+    control, flow, held = TrainerControl(), DefaultFlowCallback(), []
+    for step in range(1, 5):  # the Trainer's order of calls
+        cb.on_step_begin(args, state, control)
+        held.append(len(kept))  # training went on: released
+        state.global_step = step
+        flow.on_step_end(args, state, control)  # the Trainer's own callback comes first
+        cb.on_step_end(args, state, control)
+        held.append(len(kept))  # over _maybe_log_save_evaluate
+        control.should_save = control.should_evaluate = False
+    cb.on_train_end(args, state, control)
+    assert held == [0, 0, 0, 1, 0, 1, 0, 1] and kept == []  # saved at 2 and 4, evaluated at 3
+    # An epoch's save, and a save that never returns (train() raised) lets go in time.
+    monkeypatch.setattr(hf_callback, "LEASE_HOLD_S", 0.1)
+    cb.on_epoch_end(args, state, TrainerControl(should_save=True))
+    assert kept == [1]
+    time.sleep(0.5)
+    assert kept == []
+
+
 def test_accelerate_on_cpu_without_a_launcher_is_a_world_of_one():
     # `python examples/hf_trainer.py`: accelerate made no process group and torch raised
     # "Default process group has not been initialized" from inside PartialState.
