@@ -109,6 +109,20 @@ class DiLoCoCallback(TrainerCallback):
                 "TrainingArguments(include_num_input_tokens_seen=True) or pass tokens_per_step"
             )
         engine = _TrainerEngine(model, optimizer, state)
+        if (
+            engine.stage == 0
+            and model is not None
+            and any(hasattr(p, "ds_id") for p in model.parameters())
+        ):
+            # A second train() of the Trainer in this process: it trains on with its first
+            # call's ZeRO-3 engine but gives callbacks a fresh plain optimizer, not that
+            # engine's (it was refused as "needs the Trainer to run DeepSpeed ZeRO-3").
+            raise LearnerError(
+                "DiLoCoCallback: the Trainer's model is partitioned by DeepSpeed ZeRO-3, but "
+                "the Trainer gives callbacks no ZeRO-3 optimizer, as in a second train() in "
+                "one process: train again in a new process (resume_from_checkpoint=... resumes "
+                "the Trainer's own checkpoint)"
+            )
         if engine.stage == 0:  # stages 1 and 2 are named by the Learner's own check
             raise LearnerError(
                 "DiLoCoCallback needs the Trainer to run DeepSpeed ZeRO-3: "

@@ -68,6 +68,21 @@ def test_the_callback_needs_deepspeed():
         cb.on_train_begin(args(deepspeed=None), None, None)
 
 
+def test_a_second_train_of_a_zero3_trainer_is_named_as_such():
+    # trainer.train() again in the same process (a notebook): the Trainer trains on with its
+    # first call's ZeRO-3 engine but gives callbacks a fresh plain AdamW; it was refused as
+    # "needs the Trainer to run DeepSpeed ZeRO-3", which it did.
+    model = torch.nn.Linear(2, 2)
+    for p in model.parameters():
+        p.ds_id = 0  # what DeepSpeed's ZeRO-3 partitioning leaves on every parameter
+    cb = DiLoCoCallback("http://127.0.0.1:1", island="a", token="t")
+    with pytest.raises(LearnerError, match=r"partitioned by DeepSpeed ZeRO-3, .*a second "
+                       r"train\(\) in one process: train again in a new process"):  # fmt: skip
+        cb.on_train_begin(args(), None, None, model=model,
+                          optimizer=torch.optim.AdamW(model.parameters()))  # fmt: skip
+    assert cb.learner is None
+
+
 def _optimizer(kind: str, **attrs):
     """An instance of DeepSpeed's own ZeRO optimizer class (not built: only its type and
     the attributes the callback reads matter here)."""
