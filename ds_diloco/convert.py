@@ -55,7 +55,14 @@ def gguf_to_hf(
     path = Path(gguf_path)
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    check_out_folder(out_dir)  # before the slow load
+    target = check_out_folder(out_dir)  # before the slow load
+    # The output folder is replaced whole: one holding the GGUF (an earlier export's, with a
+    # config.json, that the file was downloaded into) lost the GGUF with the conversion.
+    if any(target == p or target in p.parents for p in (path.absolute(), path.resolve())):
+        raise ValueError(
+            f"output folder {str(out_dir)!r} holds the GGUF file {str(path)!r}: the conversion "
+            "replaces its output folder whole; name another folder"
+        )
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading GGUF needs the 'gguf' package: pip install gguf")
     if isinstance(dtype, str):

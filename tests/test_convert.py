@@ -193,3 +193,17 @@ def test_a_gguf_lacking_a_tensor_is_refused_naming_it(tmp_path):
                        r"\.mlp\.up_proj\.weight'\); they would start random"):  # fmt: skip
         gguf_to_hf(cut, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["its folder", "a folder above it"])
+def test_an_output_folder_holding_the_gguf_is_refused_and_the_gguf_kept(tmp_path, where):
+    # A GGUF downloaded into a model folder (a config.json beside it: taken for an earlier
+    # export) and converted into that folder: the folder was replaced whole, the GGUF with it.
+    folder = tmp_path / "models" / "smol"
+    folder.mkdir(parents=True)
+    gguf_file = llama_gguf(folder / "x.gguf")
+    out = folder if where == "its folder" else folder.parent
+    (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"holds the GGUF file .*x\.gguf'.*name another folder"):
+        gguf_to_hf(gguf_file, out)
+    assert gguf_file.is_file() and (out / "config.json").is_file()
