@@ -53,6 +53,8 @@ def gguf_to_hf(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = Path(gguf_path)
+    if path.is_dir():  # it exists: "does not exist" sent the user looking for a typo
+        raise ValueError(f"GGUF file {str(path)!r} is a folder: name the .gguf file in it")
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     target = check_out_folder(out_dir)  # before the slow load

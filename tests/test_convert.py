@@ -85,6 +85,14 @@ def test_errors(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_folder_given_as_the_gguf_file_is_named_a_folder(tmp_path):
+    # It was "GGUF file '...' does not exist", of a folder that does.
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ValueError, match=r"'.*models' is a folder: name the \.gguf file in it"):
+        gguf_to_hf(tmp_path / "models", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_another_models_files_beside_the_gguf_are_not_taken_for_its_own(tmp_path):
     # A GGUF kept in a folder with another model's tokenizer files: the folder came out with
     # that tokenizer (512 tokens, no chat template) beside SmolLM2's weights, without a word.
