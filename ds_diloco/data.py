@@ -72,13 +72,22 @@ _FOOTER_START = re.compile(
 )
 
 
+def missing_path(path: str | os.PathLike) -> ValueError:
+    """The error for a ``data.path`` that does not exist; for the demo's corpus folder, with
+    the command that fetches it (``ds-diloco run launch/demo.yaml`` on a fresh checkout)."""
+    hint = ""
+    if Path(path).parts[-2:] == (".cache", "corpus"):
+        hint = " (the demo's corpus: bash launch/get_corpus.sh .cache/corpus .venv/bin/python)"
+    return ValueError(f"data.path {str(path)!r} does not exist{hint}")
+
+
 def find_text_files(path: str | os.PathLike, split: str = "train") -> list[str]:
     """``path`` itself if it is a file, else every ``*.txt`` below it (else, for a folder
     of records, its ``.json``/``.jsonl``/``.parquet`` files), sorted; see :func:`_walk`.
     A folder whose files name splits (``train.jsonl``, ``test.jsonl``; ``valid/``) gives
     those of ``split`` (:func:`_split_files`)."""
     if not os.path.exists(path):
-        raise ValueError(f"data.path {str(path)!r} does not exist")
+        raise missing_path(path)
     if not (files := _corpus_files(Path(path), split)):
         raise ValueError(
             f"no text files at {str(path)!r}: give a file or a folder of *.txt "
@@ -443,7 +452,7 @@ def load_text_dataset(
         raise ValueError("load_text_dataset: no source given")
     if len(sources) == 1 and not os.path.exists(sources[0]):
         if os.path.isabs(sources[0]):  # a path (the config makes relative ones absolute)
-            raise ValueError(f"data.path {str(sources[0])!r} does not exist")
+            raise missing_path(sources[0])
         try:
             ds = datasets.load_dataset(str(sources[0]), subset, split=split)
         except (ConnectionError, FileNotFoundError) as e:  # offline, unreachable, not found
@@ -725,7 +734,7 @@ def check_source(source: str) -> None:
     """A local ``data.path`` that does not exist, said before a run clears or starts anything
     (relative paths that do not exist are left to be dataset names, as everywhere)."""
     if os.path.isabs(source) and not os.path.exists(source):
-        raise ValueError(f"data.path {str(source)!r} does not exist")
+        raise missing_path(source)
 
 
 def check_shards(train_blocks: int, world_sizes: dict[str, int]) -> None:
@@ -960,7 +969,7 @@ def prepare_corpus(
         raise ValueError(f"seq_len={seq_len}: must be at least 1")
     local = os.path.exists(source)
     if not local and os.path.isabs(source):  # a path, mistyped: not a hub dataset's name
-        raise ValueError(f"data.path {str(source)!r} does not exist")
+        raise missing_path(source)
     cache = Path(cache_dir)
     try:
         cache.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""``ds-diloco prepare-data FILE``: a run's or an island's corpus tokenised into its cache
+"""``ds-diloco prepare-data --config FILE``: a run's or an island's corpus tokenised into its cache
 ahead of the launch.
 
 An island's ranks otherwise wait at start-up for the one that tokenises it (and, with a

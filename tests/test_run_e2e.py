@@ -1754,3 +1754,16 @@ def test_a_merged_model_that_cannot_be_sampled_from_still_gets_its_summary(
     assert "no sample from the merged model" in proc.stdout and "sample: " not in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["sample"] is None and "heldout_loss_merged" in summary, summary
+
+
+def test_the_demo_run_file_on_a_fresh_checkout_says_how_to_fetch_its_corpus(tmp_path):
+    # Without launch/demo.sh's fetch (a fresh clone), `ds-diloco run launch/demo.yaml` said
+    # only that data.path did not exist.
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "model_configs").symlink_to(REPO / "model_configs")
+    demo = tmp_path / "launch" / "demo.yaml"
+    demo.write_text((REPO / "launch" / "demo.yaml").read_text())
+    proc = _run_cli(demo)
+    want = ".cache/corpus' does not exist (the demo's corpus: bash launch/get_corpus.sh "
+    assert proc.returncode == 2 and "data.path" in proc.stderr, proc.stderr[-2000:]
+    assert want in proc.stderr, proc.stderr[-2000:]
