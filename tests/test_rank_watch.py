@@ -85,8 +85,11 @@ def test_without_pidfds_ranks_seen_gone_together_blame_none(launch, monkeypatch)
     try:
         launcher, ranks = launch(2)
         watch.watch("a", launcher.pid, 2)
-        time.sleep(1.2)  # it found the ranks, and looks again every 0.5 s
-        for p in ranks.values():
+        deadline = time.monotonic() + 30  # until it found the ranks (see the test above)
+        while not found(watch, "a", 2):
+            assert time.monotonic() < deadline, "the watch did not find the ranks"
+            time.sleep(0.01)
+        for p in ranks.values():  # microseconds apart, against its looks 0.5 s apart
             p.kill()
         launcher.wait(timeout=30)
         time.sleep(1.0)
