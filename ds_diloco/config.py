@@ -830,28 +830,29 @@ _Loader.add_implicit_resolver(
 )
 
 
-def load_file(path: str | os.PathLike) -> dict:
-    """Read a YAML or JSON config file into a dict (JSON is YAML; ``1e-5`` is a float)."""
+def load_file(path: str | os.PathLike, what: str = "config file") -> dict:
+    """Read a YAML or JSON config file into a dict (JSON is YAML; ``1e-5`` is a float);
+    errors name it as ``what`` (a chaos schedule's: "schedule file")."""
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"config file {str(p)!r} is a folder, not a file")
+        raise ValueError(f"{what} {str(p)!r} is a folder, not a file")
     if not p.is_file():
-        raise ValueError(f"config file {str(p)!r} does not exist")
+        raise ValueError(f"{what} {str(p)!r} does not exist")
     try:
         text = p.read_text()
     except OSError as e:  # unreadable (permissions, I/O): one line, not a traceback
-        raise ValueError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        raise ValueError(f"{what} {str(p)!r} cannot be read: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"config file {str(p)!r} is not UTF-8 text: {e}") from None
+        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text: {e}") from None
     try:
         data = yaml.load(text, Loader=_Loader)  # a SafeLoader
     except yaml.YAMLError as e:  # a ValueError reaches the CLI as one clear line
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise ValueError(f"config file {str(p)!r} is not valid YAML: {problem}{at}") from None
+        raise ValueError(f"{what} {str(p)!r} is not valid YAML: {problem}{at}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+        raise ValueError(f"{what} {str(p)!r} must hold a mapping at the top level")
     return data
 
 

@@ -290,24 +290,15 @@ class Schedule:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Schedule:
         """Read a YAML or JSON schedule (JSON is YAML); errors name the file."""
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"schedule file {str(p)!r} does not exist")
-        from ds_diloco.config import _Loader
+        from ds_diloco.config import load_file
 
-        try:  # as config files: 5e-2 (and to_file's JSON 2e-05) a float, a key twice refused
-            data = yaml.load(p.read_text(), Loader=_Loader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or " ".join(str(e).split())
-            raise ValueError(
-                f"schedule file {str(p)!r} is not valid YAML/JSON: {problem}{at}"
-            ) from None
+        # As config files are read: 5e-2 (and to_file's JSON 2e-05) a float, a key given
+        # twice refused, a YAML error's problem and place named.
+        data = load_file(path, what="schedule file")
         try:
             return cls.from_dict(data)
         except ValueError as e:
-            raise ValueError(f"schedule file {str(p)!r}: {e}") from None
+            raise ValueError(f"schedule file {str(Path(path))!r}: {e}") from None
 
     # ---- seeded schedules --------------------------------------------------------------
 
