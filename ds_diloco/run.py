@@ -236,8 +236,7 @@ def launcher_cmd(
     if slots is None:
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port),
                 "--include", spec.include]  # fmt: skip
-    mapped = devices and not spec.include and max(slots) < len(devices)
-    ids = [devices[s] for s in slots] if mapped else slots
+    ids = slots if spec.include else device_ids(slots, devices)
     info = base64.urlsafe_b64encode(json.dumps({"localhost": ids}).encode()).decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}",
             "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
@@ -262,6 +261,15 @@ def visible_devices() -> list | None:
     return [int(d) if d.strip().isdigit() else d.strip() for d in text.split(",") if d.strip()]
 
 
+def device_ids(slots: Sequence[int], devices: Sequence | None) -> list:
+    """The devices' own ids of ``slots``, indices into ``devices`` (:func:`visible_devices`),
+    as the launcher's world info and an include name them; the slots themselves where no
+    devices are given, or too few."""
+    if devices and max(slots, default=-1) < len(devices):
+        return [devices[s] for s in slots]
+    return list(slots)
+
+
 def gpu_slots(islands, gpus: int, devices: Sequence | None = None) -> dict[str, list[int]]:
     """On a host with ``gpus`` CUDA devices, the devices of each local island that names no
     ``include``: devices of its own, in the file's order, beside those other islands'
@@ -276,7 +284,7 @@ def gpu_slots(islands, gpus: int, devices: Sequence | None = None) -> dict[str, 
             if "localhost" in hosts and hosts["localhost"] is None:
                 return {}  # every device of this host (the hostfile's slots)
             taken.update(hosts.get("localhost") or ())
-    ids = list(devices) if devices and len(devices) >= gpus else list(range(gpus))
+    ids = device_ids(range(gpus), devices)
     free = [g for g in range(gpus) if ids[g] not in taken]
     bare = [spec for spec in islands if not spec.include]
     if sum(spec.world_size for spec in bare) > len(free):

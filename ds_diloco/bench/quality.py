@@ -113,7 +113,7 @@ from ds_diloco.config import (
 from ds_diloco.merge import StalenessPolicy
 from ds_diloco.outer_optim import OuterOptimConfig
 from ds_diloco.round_policy import PolicyOptions
-from ds_diloco.run import LocalRun, visible_devices
+from ds_diloco.run import LocalRun, device_ids, visible_devices
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS_GOAL = 1.02
@@ -442,9 +442,8 @@ def _gpus(s: Setup, first: int, count: int) -> str | None:
                          f"this machine has {s.gpus}; lower the ranks per island")  # fmt: skip
     slots = sorted({(first + i) % s.gpus for i in range(count)})
     # An include names the devices' own ids: given GPUs 4-7 (CUDA_VISIBLE_DEVICES, a Slurm
-    # job's), slots 0-3 as ids ran every island on GPUs 0-3 (run.visible_devices).
-    devices = visible_devices()
-    ids = [devices[i] for i in slots] if devices and len(devices) >= s.gpus else slots
+    # job's), slots 0-3 as ids ran every island on GPUs 0-3.
+    ids = device_ids(slots, visible_devices())
     return "localhost:" + ",".join(map(str, ids))
 
 
