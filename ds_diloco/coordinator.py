@@ -107,6 +107,25 @@ def _check_incarnation(what: str, isl: IslandRecord, incarnation: int) -> None:
         )
 
 
+def _check_adoptable(h: wire.UploadHeader) -> None:
+    """Refuse an upload that names an island this coordinator cannot take as registered."""
+    if not valid_island_id(h.island):
+        raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {h.island!r}")
+    if h.incarnation < 1:  # registrations count from 1: 0 or -7 were adopted as they said
+        raise CoordinatorError(
+            422, f"counters out of range: incarnation {h.incarnation} must be >= 1"
+        )
+
+
+def _check_base_version(h: wire.UploadHeader, fs: FragmentState) -> None:
+    if h.base_version > fs.version:
+        raise CoordinatorError(
+            409,
+            f"base version {h.base_version} of fragment {h.fragment} is from the future: "
+            f"the current version is {fs.version}",
+        )
+
+
 def _compressed(meta, names) -> bool:
     """Whether an upload is compressed: ``compress.to_wire`` names its metadata
     "<slice>#<field>" and its scales "<slice>#scales"."""
@@ -454,12 +473,7 @@ class Coordinator:
         dir put back from a backup). Refused, the island's uploads would be lost for good
         while it trained on; taken as registered as the upload says. The run id tells it
         from an island that never registered here (refused: register it first)."""
-        if not valid_island_id(h.island):
-            raise CoordinatorError(400, f"island id must be {ISLAND_ID_RULE}, got {h.island!r}")
-        if h.incarnation < 1:  # registrations count from 1: 0 or -7 were adopted as they said
-            raise CoordinatorError(
-                422, f"counters out of range: incarnation {h.incarnation} must be >= 1"
-            )
+        _check_adoptable(h)
         log.warning(
             "island %s (registration %d, world size %d) is not in this coordinator's state "
             "(older than its registration): taken as registered",
@@ -601,17 +615,30 @@ class Coordinator:
         """A slice per tensor, and a compressed one's scales: any more is not an upload."""
         return 2 * max(len(fs.fragment.params) for fs in self._frags)
 
-    def _admit(self, h: wire.UploadHeader, fs: FragmentState, now: float):
+    def _admit(self, h: wire.UploadHeader, fs: FragmentState, now: float, adopt: bool = True):
         """(island, its contribution in assembly) for an upload, or why it is refused
-        (``_lock`` held): asked when it starts and again once its body is in."""
+        (``_lock`` held): asked when it starts and again once its body is in.
+
+        ``adopt`` False (a body still to come, which may be refused): an island or
+        registration taken as registered from the upload (``_adopt_unknown``,
+        ``_adopt_registration``) is only checked for, and (None, None) returned: taken
+        before the body was, a refused body had superseded the island's live launch and
+        dropped its waiting contributions."""
         isl = self._islands.get(h.island)
         if isl is None and h.run == self.run_id:
+            if not adopt:
+                _check_adoptable(h)
+                _check_base_version(h, fs)
+                return None, None
             isl = self._adopt_unknown(h, now)
         elif isl is None:
             raise CoordinatorError(404, f"unknown island {h.island!r}: register it first")
         else:
             _check_run("upload", h.island, h.run, self.run_id)
         if h.incarnation > isl.registrations:
+            if not adopt:  # its record starts over then: nothing of the present one applies
+                _check_base_version(h, fs)
+                return None, None
             self._adopt_registration(isl, h, now)
         if isl.left_at is not None:
             raise CoordinatorError(410, f"island {h.island!r} left the run: register again")
@@ -630,12 +657,7 @@ class Coordinator:
                 f"replayed upload: island {h.island!r} rank {h.rank} already sent fragment "
                 f"{h.fragment} at step {last}; this one is for step {h.step}",
             )
-        if h.base_version > fs.version:
-            raise CoordinatorError(
-                409,
-                f"base version {h.base_version} of fragment {h.fragment} is from the future: "
-                f"the current version is {fs.version}",
-            )
+        _check_base_version(h, fs)
         cur = fs.assembling.get(h.island)
         if cur is not None and cur.step == h.step and cur.counters() != self._counters(h):
             raise CoordinatorError(
@@ -650,7 +672,7 @@ class Coordinator:
         """Where this rank's slices go: its part of the row its island's ranks' uploads
         for this step land in (the contribution's row once one is taken in)."""
         with self._lock:
-            _, cur = self._admit(h, fs, self.clock())
+            _, cur = self._admit(h, fs, self.clock(), adopt=False)  # adopted once the body is in
             landing = fs.landings.get((h.island, h.incarnation, h.step))
             if landing is not None and h.rank in landing.ranks:
                 raise CoordinatorError(

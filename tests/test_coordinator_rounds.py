@@ -1790,3 +1790,47 @@ def test_buffer_pool_lets_go_of_buffers_idle_for_a_while():
         pool.give(a)
     assert pool.usage() == {"held": 2, "in_use": 0, "bytes": 2 * 4096}
     assert {a.data_ptr(), b.data_ptr()} <= {x.data_ptr() for x in burst}  # reused, not new
+
+
+def test_a_refused_streamed_upload_from_a_new_registration_or_island_changes_nothing(
+    tiny_config_path, tmp_path
+):
+    # A streamed upload's head from a later registration (or, in this run, an island with
+    # no record) was taken as registered when its body started: refused then (NaN), it had
+    # dropped the live launch's waiting contribution and superseded that launch anyway.
+    coord = make(
+        tiny_config_path, tmp_path / "s", Clock(), policy=PolicyOptions(min_quorum=2, tau=1)
+    )
+    run = coord.run_id
+    coord.register("a", 1, coord.plan.signature)
+    coord.register("c", 1, coord.plan.signature)
+    assert send(coord, "a", 0, step=2)["complete"]  # waits in the round (quorum 2)
+    frag = coord.plan.fragments[0]
+    bad = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    bad[frag.params[-1].name].view(-1)[-1] = float("nan")  # in the last bytes streamed
+    before = coord.status()
+
+    def unchanged():
+        st = coord.status()
+        for k in ("islands", "pending", "versions"):
+            assert st[k] == before[k], (k, st[k], before[k])
+        assert st["buffers"]["in_use"] == before["buffers"]["in_use"]  # its row went back
+
+    for island, over in (("a", {"incarnation": 2, "world_size": 2}), ("b", {"run": run})):
+        for body in _bodies(coord, island, over.pop("world_size", 1), 4, bad, **over)[-1:]:
+            ing = coord.upload_begin(_head(body), len(body))
+            _write(ing, body)
+            with pytest.raises(CoordinatorError) as e:
+                coord.upload_finish(ing)
+            assert e.value.status == 422 and wire.NOT_FINITE in str(e.value)
+            unchanged()
+    # The old launch goes on; a good upload of the new one is still taken as registered.
+    assert send(coord, "a", 1, step=4)["status"] == "accepted"
+    good = {p.name: torch.full(p.shape, 1e-3) for p in frag.params}
+    for body in _bodies(coord, "a", 2, 6, good, incarnation=2):
+        ing = coord.upload_begin(_head(body), len(body))
+        _write(ing, body)
+        reply = coord.upload_finish(ing)
+    assert reply["complete"], reply
+    island = coord.status()["islands"]["a"]
+    assert (island["registrations"], island["world_size"]) == (2, 2), island
