@@ -997,10 +997,15 @@ class Coordinator:
             if isl.finishing and name not in fs.complete and self._holds_lease(isl, now)
         )  # fmt: skip
         quorum = max(1, min(self.cfg.policy.min_quorum, live))
+        lapsed = sum(  # counted in the quorum, not as live islands in
+            1 for name, c in fs.complete.items()
+            if not c.final and not self._is_live(self._islands[name], now)
+        )  # fmt: skip
         return RoundState(
             live_islands=live,
             contributors=len(fs.complete),
             passive=len(finals),
+            lapsed=lapsed,
             finishing=finishing,
             first_final=min(finals, default=None),
             first_arrival=times[0] if times else None,

@@ -118,6 +118,11 @@ class RoundState:
     for no result, so their contributions neither make the quorum nor close the round;
     they are merged with it when it closes. Not counted in ``live_islands``."""
 
+    lapsed: int = 0
+    """Of the contributors (not passive), islands that lost their lease since: their
+    contributions make the quorum, but they are not live islands in (``live_islands``
+    does not count them), so they never make the round "all live islands in"."""
+
     finishing: int = 0
     """Islands that finished training and have not left yet (their final flush under way)
     with no contribution in this round: a round of final contributions alone waits a
@@ -155,6 +160,11 @@ class RoundState:
             raise ValueError(
                 f"RoundState.passive must be in [0, contributors={self.contributors}], "
                 f"got {self.passive}"
+            )
+        if not 0 <= self.lapsed <= self.contributors - self.passive:
+            raise ValueError(
+                f"RoundState.lapsed must be in [0, contributors - passive = "
+                f"{self.contributors - self.passive}], got {self.lapsed}"
             )
 
 
@@ -279,14 +289,17 @@ def decide(now: float, state: RoundState, opts: PolicyOptions) -> Decision:
     k_desc = ("K={}", k) if quorum == k else ("K={} capped to {} live islands", k, quorum)
     if c < quorum:
         return Decision(False, None, ("quorum {}/{} ({})", c, quorum, k_desc))
-    if c >= live:
+    # A lapsed island's contribution is not a live island in: counted, the round closed
+    # at once (no grace window) while a live island had not sent.
+    live_in = c - state.lapsed
+    if live_in >= live:
         extra = f" ({c} contributions)" if c != live else ""
         extra += f" + {state.passive} final" if state.passive else ""
         return Decision(True, None, ("all {} live islands in{}", live, extra))
     grace, grace_why = _grace_window(state, opts)
     quorum_at = now if state.quorum_at is None else state.quorum_at
     deadline = quorum_at + grace
-    head = ("quorum {}/{} ({}) reached, {}/{} live islands in", c, quorum, k_desc, c, live)
+    head = ("quorum {}/{} ({}) reached, {}/{} live islands in", c, quorum, k_desc, live_in, live)
     if now >= deadline:
         until, why = _expected_wait(state, opts)
         if until is not None and now < until:

@@ -1834,3 +1834,34 @@ def test_a_refused_streamed_upload_from_a_new_registration_or_island_changes_not
     assert reply["complete"], reply
     island = coord.status()["islands"]["a"]
     assert (island["registrations"], island["world_size"]) == (2, 2), island
+
+
+def test_a_contribution_whose_island_lost_its_lease_does_not_make_all_live_islands_in(
+    tiny_config_path, tmp_path
+):
+    # "c" sent, then went silent past its lease: its contribution still counts (quorum),
+    # but with it "a"'s made 2 of 2 live islands "in", and the round closed at once with
+    # "b" live and not in (no grace window: b's upload came stale).
+    clock = Clock()
+    policy = PolicyOptions(min_quorum=2, grace_gamma=0.5, max_grace_s=10.0, tau=1)
+    coord = make(tiny_config_path, tmp_path / "s", clock, policy=policy, island_timeout_s=10.0)
+    for island in ("a", "b", "c"):
+        coord.register(island, 1, coord.plan.signature)
+    for island in ("a", "b"):  # step times: 2 s
+        send(coord, island, 1, step=2)
+    clock.now += 4.0
+    for island in ("a", "b", "c"):
+        send(coord, island, 1, step=4)
+    assert coord.poll(1).merge
+    send(coord, "c", 0, step=4)
+    clock.now += 10.5
+    for island in ("a", "b"):
+        coord.touch(island)
+    send(coord, "a", 0, step=4)
+    assert coord.status()["islands"]["c"]["live"] is False
+    d = coord.poll(0)
+    assert not d.merge and "1/2 live islands in" in d.reason and "stragglers" in d.reason, d
+    clock.now = d.wait_until
+    d = coord.poll(0)
+    assert d.merge and "grace over" in d.reason, d
+    assert coord.status()["last_merge"]["0"]["islands"] == ["a", "c"]
