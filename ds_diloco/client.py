@@ -329,12 +329,13 @@ class CoordinatorClient:
             raise
 
     def versions(
-        self, island: str | None = None, known: list[int] | None = None, wait: float = 0.0
-    ) -> list[int]:
-        """Current versions; with ``known`` and ``wait``, once one is newer (long poll)."""
-        params = {}
-        if island:
-            params["island"] = island
+        self, island: str | None = None, known: list[int] | None = None, wait: float = 0.0,
+        run: str = "",
+    ) -> list[int]:  # fmt: skip
+        """Current versions; with ``known`` and ``wait``, once one is newer (long poll).
+        ``island`` renews that island's lease; ``run`` (its run's id, the plan's ``run``):
+        refused (409, superseded) if the coordinator's run is another one."""
+        params = _island_query(island, run)
         if known is not None:
             params["known"] = ",".join(map(str, known))
             params["wait"] = wait
@@ -344,10 +345,12 @@ class CoordinatorClient:
         body = {"island": island, "world_size": world_size, "signature": signature}
         return self._post_json("/v1/islands", body).json()
 
-    def start(self, island: str) -> dict:
+    def start(self, island: str, run: str = "") -> dict:
         """Say ``island`` takes its first step now: {"started": how many of the run's islands
-        have, "clock": where the rounds' schedule is, in steps mod H, or None}."""
-        return self._post_json(f"/v1/islands/{_quote(island)}/start").json()
+        have, "clock": where the rounds' schedule is, in steps mod H, or None}. ``run``: as
+        :meth:`versions`'."""
+        path, params = f"/v1/islands/{_quote(island)}/start", _island_query(None, run)
+        return self._request("POST", path, params=params, body=b"").json()
 
     def leave(self, island: str, incarnation: int | None = None, run: str = "") -> dict:
         """The island leaves the run for good (a later register brings it back);
@@ -381,9 +384,11 @@ class CoordinatorClient:
         rank: int,
         after: int | None = None,
         island: str | None = None,
+        run: str = "",
     ) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """(version, slices) of this rank's part of a fragment; None if not newer than ``after``."""
-        params = _fragment_query(world_size, rank, after, island)
+        """(version, slices) of this rank's part of a fragment; None if not newer than ``after``.
+        ``island``, ``run``: as :meth:`versions`'."""
+        params = _fragment_query(world_size, rank, after, island, run)
         r = self._request("GET", f"/v1/fragments/{fragment}", params=params)
         if r.status_code == 304:
             return None
@@ -402,6 +407,7 @@ class CoordinatorClient:
         info: dict | None = None,
         keep: Collection[str] = (),
         epoch: str = "",
+        run: str = "",
     ) -> int | None:
         """Like :meth:`download`, but read straight into ``dest`` (no buffer of the body).
 
@@ -413,7 +419,7 @@ class CoordinatorClient:
         ``unchanged`` (the slices left out), ``bytes`` (the body's) and ``opened_ago_s``
         when the coordinator says it (:data:`wire.OPENED_AGO_HEADER`).
         """
-        params = _fragment_query(world_size, rank, after, island)
+        params = _fragment_query(world_size, rank, after, island, run)
         keep = keep if after is not None and epoch else ()
         mask = wire.keep_mask(list(dest), keep)
         if mask:
@@ -445,6 +451,7 @@ class CoordinatorClient:
         keep: Sequence[Collection[str]] = (),
         epoch: str = "",
         info: dict | None = None,
+        run: str = "",
     ) -> NextFragment:
         """The long poll that answers with a download: once some fragment i is newer than
         ``known[i]`` (-1: any version; a version no fragment reaches: not waited for), its
@@ -460,7 +467,7 @@ class CoordinatorClient:
         ``dests[i]``: it may hold part of the body.
         """
         params = {"known": ",".join(map(str, known)), "wait": wait}
-        params.update(_fragment_query(world_size, rank, None, island))
+        params.update(_fragment_query(world_size, rank, None, island, run))
         keep = list(keep) or [()] * len(dests)
         masks = [wire.keep_mask(list(d), k) if k else "" for d, k in zip(dests, keep)]
         offered = bool(epoch) and any(masks)
@@ -487,13 +494,22 @@ class CoordinatorClient:
         return NextFragment(fragment=fragment, version=header.version)
 
 
-def _fragment_query(world_size: int, rank: int, after: int | None, island: str | None) -> dict:
+def _island_query(island: str | None, run: str) -> dict:
+    params = {}
+    if island:
+        params["island"] = island
+    if run:
+        params["run"] = run
+    return params
+
+
+def _fragment_query(
+    world_size: int, rank: int, after: int | None, island: str | None, run: str = ""
+) -> dict:
     params = {"world_size": world_size, "rank": rank}
     if after is not None:
         params["after"] = after
-    if island:
-        params["island"] = island
-    return params
+    return {**params, **_island_query(island, run)}
 
 
 @dataclasses.dataclass

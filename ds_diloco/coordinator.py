@@ -79,9 +79,10 @@ class CoordinatorError(Exception):
 
 
 def _check_run(what: str, island: str, run: str, run_id: str) -> None:
-    """Refuse an upload or leave from a process of another run's island of the same name (a
-    process left from an earlier run): merged, or taking this run's island out of every
-    quorum. It is told it was superseded, so that it stops. ``run`` "": not given."""
+    """Refuse a request from a process of another run's island of the same name (a process
+    left from an earlier run): an upload merged, a leave taking this run's island out of
+    every quorum, a download, poll or start keeping its lease alive. It is told it was
+    superseded, so that it stops. ``run`` "": not given."""
     if run and run != run_id:
         raise CoordinatorError(
             409,
@@ -366,7 +367,7 @@ class Coordinator:
         return {"island": island, "world_size": world_size, "incarnation": isl.registrations,
                 **self.plan_info()}  # fmt: skip
 
-    def start(self, island: str) -> dict:
+    def start(self, island: str, run: str = "") -> dict:
         """``island`` is about to take its first inner step: how many of the run's have.
 
         Islands that start together stay in phase. With K < M a round closes on the
@@ -375,7 +376,8 @@ class Coordinator:
         every island calls this until ``started`` reaches the run's island count
         (:meth:`ds_diloco.learner.Learner.start_together`). An island that has sent
         anything or left has started too (a restarted coordinator knows those from its
-        table, not from a call)."""
+        table, not from a call). ``run``: as :meth:`touch`'s."""
+        _check_run("start", island, run, self.run_id)
         with self._lock:
             isl = self._islands.get(island)
             if isl is None:
@@ -979,7 +981,13 @@ class Coordinator:
         )
         return served.version, body
 
-    def touch(self, island: str) -> None:
+    def touch(self, island: str, run: str = "", what: str = "poll") -> None:
+        """A download or poll from ``island`` (""; none named) renews its lease. ``run`` (its
+        run's id, if given): a process of another run's island of the same name is refused
+        (``what``), as its uploads are, and renews nothing."""
+        _check_run(what, island, run, self.run_id)
+        if not island:
+            return
         with self._lock:
             isl = self._islands.get(island)
             if isl is not None:

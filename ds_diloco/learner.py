@@ -286,7 +286,7 @@ class Learner:
             started, deadline = 0, t0 + timeout_s
             while True:
                 try:
-                    reply = self.client.start(self.island)
+                    reply = self.client.start(self.island, run=self.syncer.run)
                 except (RefusedError, *TRANSPORT_ERRORS) as e:
                     log.warning("%s: start together: %s; starting now", self.island, e)
                     break

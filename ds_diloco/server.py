@@ -227,7 +227,14 @@ class CoordinatorServer:
                             headers={"X-Content-Format": "prometheus-0.0.4"})  # fmt: skip
 
     async def island_start(self, request):
-        return web.json_response(await self._run(self.coord.start, request.match_info["island"]))
+        island, run = request.match_info["island"], request.query.get("run", "")
+        return web.json_response(await self._run(self.coord.start, island, run))
+
+    def _touch(self, request, what: str) -> None:
+        """The lease of the island a download or poll names (``island``), renewed; refused
+        if it says it is from another run (``run``)."""
+        q = request.query
+        self.coord.touch(q.get("island", ""), q.get("run", ""), what)
 
     async def leave(self, request):
         try:
@@ -249,9 +256,7 @@ class CoordinatorServer:
 
     async def versions(self, request):
         """Versions now, or (with known=v0,v1,... and wait=S) once one is newer than known."""
-        island = request.query.get("island")
-        if island:
-            self.coord.touch(island)
+        self._touch(request, "versions poll")
         if "known" in request.query:
             known, wait = self._long_poll_query(request, "versions")
             await self._wait_newer(known, wait)
@@ -441,8 +446,7 @@ class CoordinatorServer:
                 "download: need integer fragment, ?world_size=W&rank=R (and optional after=V, "
                 "keep=MASK, epoch=E)",
             ) from None
-        if request.query.get("island"):
-            self.coord.touch(request.query["island"])
+        self._touch(request, f"download of fragment {fragment}")
         # On the loop: no lock, no copy (the body aliases the served values).
         version, body = self.coord.download(
             fragment, world_size, rank, after,
@@ -482,8 +486,7 @@ class CoordinatorServer:
                     wire.parse_keep_mask(mask, len(frag.params))
             except wire.WireError as e:
                 raise CoordinatorError(400, f"next fragment: fragment {frag.index}: {e}") from None
-        if request.query.get("island"):
-            self.coord.touch(request.query["island"])
+        self._touch(request, "next fragment poll")
         for fragment in await self._wait_newer(known, wait):
             after = known[fragment] if known[fragment] >= 0 else None
             version, body = self.coord.download(

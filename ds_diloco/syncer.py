@@ -872,7 +872,7 @@ class FragmentSyncer:
                 version = (client or self.client).download_into(
                     frag.index, self.world_size, self.rank, _Dest(slot, self._sizes[frag.index]),
                     after=after, island=self.island, info=info, keep=self._frozen[frag.index],
-                    epoch=slot.epoch if after == slot.version else "",
+                    epoch=slot.epoch if after == slot.version else "", run=self.run,
                 )  # fmt: skip
             except Exception as e:
                 return self._took(frag, slot, None, info, e)
@@ -909,10 +909,11 @@ class FragmentSyncer:
         try:
             got = self.client.download_next(
                 known, self.world_size, self.rank, dests, claim, self.long_poll_s,
-                island=self.island, keep=keep, epoch=epoch, info=info,
+                island=self.island, keep=keep, epoch=epoch, info=info, run=self.run,
             )  # fmt: skip
         except Exception as e:
             if not claimed:
+                self._note_refusal(e)
                 raise
             error = e  # after the answer named its fragment: _took judges it
         if not claimed:
@@ -946,6 +947,7 @@ class FragmentSyncer:
                 problem = f"{bad[0]}: NaN or Inf" if bad else None
                 torn = problem is not None
         elif isinstance(error, (RefusedError, wire.WireError)):
+            self._note_refusal(error)
             version, problem = None, str(error)
             torn = isinstance(error, wire.WireError)  # a refusal comes before any byte
         else:  # unreachable, or cut short by close(): try again later
@@ -984,6 +986,13 @@ class FragmentSyncer:
                 ago = info.get("opened_ago_s")
                 slot.opened_t = None if ago is None else time.perf_counter() - ago
         return version is not None and not torn
+
+    def _note_refusal(self, e: Exception) -> None:
+        """A request refused as from a superseded process (a later launch of the island, or
+        another run's coordinator): the island stops at its next agreement. Downloads and
+        polls are refused so too: they renewed the lease of an island no longer its."""
+        if isinstance(e, RefusedError) and e.status == 409 and wire.SUPERSEDED in e.message:
+            self._superseded = e.message
 
     # ---------------------------------------------------------- network side
     def _uploader(self) -> None:
@@ -1110,8 +1119,10 @@ class FragmentSyncer:
             wanted = self._wanted()
             if all(w is None for w in wanted):
                 if time.monotonic() - last_contact >= HEARTBEAT_S:  # keep the lease alive
-                    with contextlib.suppress(Exception):
-                        self.client.versions(self.island)
+                    try:
+                        self.client.versions(self.island, run=self.run)
+                    except Exception as e:
+                        self._note_refusal(e)
                     last_contact = time.monotonic()
                 # Until something is wanted (a step, an upload done, the flush) or the
                 # next heartbeat is due.
@@ -1212,8 +1223,7 @@ class FragmentSyncer:
             self.stats.refused += 1
             self._flush_lost += self._flushing
             log.warning("%s/%d upload refused: %s", self.island, self.rank, e)
-            if e.status == 409 and wire.SUPERSEDED in e.message:
-                self._superseded = e.message  # the island stops at its next agreement
+            self._note_refusal(e)
             if e.status == 422 and wire.NOT_FINITE in e.message:
                 self._diverged = e.message  # so does a diverged one: every upload would be
         except Exception as e:  # coordinator unreachable: keep training, try again next time

@@ -401,6 +401,36 @@ def test_a_bad_long_poll_for_fragments_is_refused_naming_the_problem(server, que
     assert e.value.status in (400, 422)
 
 
+def test_polls_downloads_and_start_from_another_run_are_refused_and_renew_no_lease(server):
+    # A process of another run's island of the same name (left from an earlier run) kept
+    # this run's island's lease alive with its polls and downloads: only its uploads and
+    # leave carried the run id. Refused now, naming both runs, as superseded (it stops).
+    client = client_for(server)
+    run, other = server.coord.run_id, "0123456789abcdef"
+    client.register("a", 2, server.coord.plan.signature)
+    plan = FragmentPlan.from_json(client.plan()["plan"])
+    isl = server.coord._islands["a"]
+    seen = isl.last_seen
+    for send in (
+        lambda: client.versions("a", run=other),
+        lambda: client.versions("a", known=[0] * 4, wait=0.0, run=other),
+        lambda: client.download(0, 2, 1, island="a", run=other),
+        lambda: client.download_into(0, 2, 1, _rank_dests(plan, 2, 1)[0], island="a", run=other),
+        lambda: client.download_next([-1] * 4, 2, 1, _rank_dests(plan, 2, 1), lambda i: True,
+                                     wait=0.0, island="a", run=other),
+        lambda: client.start("a", run=other),
+    ):  # fmt: skip
+        with pytest.raises(RefusedError) as e:
+            send()
+        assert e.value.status == 409 and wire.SUPERSEDED in e.value.message, e.value
+        assert run in e.value.message and other in e.value.message, e.value.message
+        assert isl.last_seen == seen and not isl.started
+    # This run's id, or none (a client from before run ids), renews it as before.
+    assert client.versions("a", run=run) == [0] * 4 and isl.last_seen > seen
+    assert client.download(0, 2, 1, island="a")[0] == 0
+    assert client.start("a", run=run)["started"] == 1
+
+
 def test_restart_resumes_versions_values_and_momentum(tiny_config_path, tmp_path):
     cfg = make_cfg(tiny_config_path, tmp_path / "state")
     srv = ServerThread(cfg)

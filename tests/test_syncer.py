@@ -1034,6 +1034,34 @@ def test_a_superseded_island_stops_on_every_rank_at_the_same_step_and_cannot_lea
             s.close()
 
 
+def test_a_process_of_another_runs_island_renews_no_lease_and_stops(tiny_config_path, tmp_path):
+    # The coordinator restarted on a new state dir (a new run) at the same address, and the
+    # island registered there; a process of the earlier run's island, left running, kept
+    # the new island's lease alive with its polls and downloads until its next upload.
+    cfg = coordinator_config(tmp_path, tiny_config_path, quorum=1)
+    srv = ServerThread(cfg)
+    client = CoordinatorClient(srv.url, "t", retries=0)
+    (old,) = island_syncers(srv, client, "isl", model_from(tiny_config_path, seed=0), 1)
+    old.bootstrap()
+    train(old, range(1, 3))  # fragment 0 sent at step 2 and merged
+    wait_for(lambda: old.slots[0].arrived)
+    old_run = srv.coord.run_id
+    srv.stop()
+    new_cfg = dataclasses.replace(cfg, state_dir=str(tmp_path / "new"), port=srv.port,
+                                  island_timeout_s=3.0)  # fmt: skip
+    with ServerThread(new_cfg) as new:
+        assert new.coord.run_id != old_run
+        client.register("isl", 1, new.coord.plan.signature)  # then silent: crashed, say
+        time.sleep(3.5)  # the old process polls meanwhile (its heartbeat: every 2 s)
+        assert new.coord.status()["islands"]["isl"]["live"] is False
+        with pytest.raises(Superseded) as e:
+            train(old, range(3, 9), wait_results=False)
+        assert old.stats.refused == 0  # stopped before any upload was refused
+        assert wire.SUPERSEDED in str(e.value)
+        assert old_run in str(e.value) and new.coord.run_id in str(e.value), e.value
+    old.close()
+
+
 def test_flush_sends_the_steps_after_the_last_sends_and_the_global_model_gets_them(
     tiny_config_path, tmp_path
 ):
