@@ -1388,6 +1388,42 @@ def test_close_wakes_the_downloader_out_of_its_long_poll(tiny_config_path, tmp_p
         b.close()
 
 
+class _SlowReplies(CoordinatorClient):
+    """A real client that, once ``slow`` is set, takes 0.5 s to take in an upload's reply
+    (a loaded machine: the coordinator has merged it and answered the long poll by then)."""
+
+    slow = False
+
+    def upload_body(self, *a, **kw):
+        reply = super().upload_body(*a, **kw)
+        if self.slow:
+            time.sleep(0.5)
+        return reply
+
+
+def test_a_flush_gets_its_result_without_waiting_out_a_long_poll(tiny_config_path, tmp_path):
+    # K = 1: the flush's upload is merged on arrival, and its result answers the long poll
+    # (phase alignment: every fragment is polled for) while the upload is still "sending"
+    # here. The poll that follows left that fragment out, and the result waited for it to
+    # time out (long_poll_s, 20 s here; 2 s by default at every island's end).
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = _SlowReplies(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, 0)
+        ranks = island_syncers(srv, client, "isl", model, 2, long_poll_s=20, align_phase=True)
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 6))) for s in ranks])
+        wait_for(lambda: srv.coord.versions() == [1, 1])
+        time.sleep(0.3)  # the downloaders are in their long polls for both fragments
+        client.slow = True
+        t0 = time.monotonic()
+        sent = run_threads(*[lambda s=s: s.flush(timeout_s=60) for s in ranks])
+        took = time.monotonic() - t0
+        assert sent == [[0], [0]] and srv.coord.versions() == [2, 1]
+        assert all(s.stats.flush_unsettled == 0 and s.versions() == [2, 1] for s in ranks)
+        assert took < 10, took  # 0.7 s; 20.5 s when the result waited for the poll's end
+        for s in ranks:
+            s.close(timeout=5)
+
+
 def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanwhile(
     tiny_config_path, tmp_path, monkeypatch
 ):
