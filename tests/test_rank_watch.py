@@ -89,10 +89,22 @@ def test_without_pidfds_ranks_seen_gone_together_blame_none(launch, monkeypatch)
         while not found(watch, "a", 2):
             assert time.monotonic() < deadline, "the watch did not find the ranks"
             time.sleep(0.01)
-        for p in ranks.values():  # microseconds apart, against its looks 0.5 s apart
-            p.kill()
+        # Both gone by the same look: the watch's lock (it looks holding it) is held until
+        # both are dead. Killed microseconds apart against looks 0.5 s apart, a look still
+        # fell between them now and then, and the rank killed first was blamed.
+        with watch._lock:
+            for p in ranks.values():
+                p.kill()
+            deadline = time.monotonic() + 30
+            while any(rank_watch._running(p) for p in ranks.values()):
+                assert time.monotonic() < deadline, "the ranks did not die"
+                time.sleep(0.01)
         launcher.wait(timeout=30)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # until it looked (1 s of sleep was luck too)
+        while watch._launches["a"].first_dead is None:
+            assert time.monotonic() < deadline, "the watch did not see the ranks gone"
+            time.sleep(0.01)
+        assert watch._launches["a"].first_dead == rank_watch.UNKNOWN
         assert watch.first_dead("a") is None
     finally:
         watch.close()
