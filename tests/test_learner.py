@@ -234,10 +234,14 @@ def test_the_callback_keeps_the_lease_over_the_trainers_saves_and_evaluations(mo
     cb.on_train_end(args, state, control)
     assert held == [0, 0, 0, 1, 0, 1, 0, 1] and kept == []  # saved at 2 and 4, evaluated at 3
     # An epoch's save, and a save that never returns (train() raised) lets go in time.
-    monkeypatch.setattr(hf_callback, "LEASE_HOLD_S", 0.1)
+    # 1 s, not 0.1 s: the lease must still be held at the next line however late it runs,
+    # and the release is waited for, not slept for (0.5 s: a late timer thread failed it).
+    monkeypatch.setattr(hf_callback, "LEASE_HOLD_S", 1.0)
     cb.on_epoch_end(args, state, TrainerControl(should_save=True))
     assert kept == [1]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while kept and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert kept == []
 
 
