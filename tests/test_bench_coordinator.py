@@ -175,3 +175,19 @@ def test_bad_fragment_size_or_json_path_is_refused_before_anything_runs(
         assert cli.main([*argv, "--fragment-mb", "0.5", "--json", str(path)]) == 2, path
         err = capsys.readouterr().err
         assert f"--json {path}: " in err and says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_ratio_just_below_its_goal_prints_with_the_digits_that_show_it():
+    # A ratio of 0.7996 printed as "ratio 0.80  (goal >= 0.8: MISSED)".
+    from ds_diloco.bench.coordinator import Comparison, Timing, format_report
+
+    def comparison(name: str, ratio: float, phases: dict) -> Comparison:
+        return Comparison(name, Timing("m", 1000, [1.0 / ratio]), Timing("b", 1000, [1.0]), phases)
+
+    outer = [comparison("outer step K=2", r, {"merge_fragment": 0.1, "nesterov_step": 0.1})
+             for r in (0.7996, 0.8, 0.95)]  # fmt: skip
+    upload = comparison("upload", 0.79999, {"coordinator_upload_in_process": 0.1})
+    report = format_report("header", outer, upload, headline_k=2)
+    assert "ratio 0.7996  (goal >= 0.8: MISSED)" in report, report
+    assert "ratio 0.80  (goal >= 0.8: met)" in report and "ratio 0.95  (goal >= 0.8: met)" in report
+    assert "ratio 0.79999  (goal >= 0.8: MISSED)" in report, report

@@ -325,3 +325,29 @@ def test_json_gives_the_memory_verdict_of_the_memory_launches_alone(tmp_path, ti
     bench.launches = bench.launches[:2]
     assert "(MISSED)" in format_report(bench, cfg)
     assert [r["rss_met"] for r in to_json(bench, cfg)["rows"]] == [False] * 3
+
+
+def test_a_ratio_or_extra_just_past_its_goal_prints_with_the_digits_that_show_it(
+    tmp_path, tiny_config_path
+):
+    # A step ratio of 1.0204 printed as "1.020 (MISSED)" under "goal <= 1.02", an extra of
+    # 8.04 MB as "+8.0 MB vs shard fp32 8.0 MB (MISSED)": the printed figures said met.
+    from ds_diloco.bench.island import IslandBench, Launch
+
+    def launch(mode: str, peak: float, step_s: float) -> Launch:
+        x = Launch(mode=mode, repeat=0, ranks=[_summary(0, peak, step_s), _summary(1, peak, step_s)],
+                   warmup=2, launch_s=10.0, island_cpu_s=5.0)  # fmt: skip
+        x.coordinator_cpu_s = None if mode == "plain" else 0.5
+        return x
+
+    bench = IslandBench(launches=[launch("plain", 500, 0.1), launch("ds_diloco", 508.04, 0.10204)],
+                        world_size=2, steps=8, warmup=2)  # fmt: skip
+    assert not any(r.step_met or r.rss_met for r in bench.rows())
+    report = format_report(bench, tiny_run(tmp_path, tiny_config_path))
+    assert "ratio 1.0204  (MISSED)" in report and "ratio 1.020 " not in report, report
+    assert "extra +8.04 MB  vs shard fp32 8.00 MB  (MISSED)" in report, report
+    # Well clear of the goal: the usual digits.
+    bench = IslandBench(launches=[launch("plain", 500, 0.1), launch("ds_diloco", 506, 0.101)],
+                        world_size=2, steps=8, warmup=2)  # fmt: skip
+    report = format_report(bench, tiny_run(tmp_path, tiny_config_path))
+    assert "ratio 1.010  (met)" in report and "extra +6.0 MB  vs shard fp32 8.0 MB  (met)" in report

@@ -21,6 +21,7 @@ import torch
 
 from ds_diloco import cli, wire
 from ds_diloco.bench.quality import (
+    BYTES_GOAL,
     FIXED,
     LABELS,
     MAIN,
@@ -170,6 +171,21 @@ def test_report_takes_the_mean_ratio_over_seeds_paired_with_the_same_seeds_basel
     runs[FIXED] = [_fake(FIXED, "decoupled", i, x) for i, x in enumerate((6.0, 6.65, 5.95))]
     assert "with a fixed send phase, paired by seed: 1.010, 0.960, 1.000" in format_report(b)
     json.dumps(b.to_json())
+
+
+def test_goals_just_past_their_limits_print_with_the_digits_that_show_it():
+    # A mean ratio of 1.0204 printed as "1.020 ... <= 1.02 MISSED"; bytes per token 1/99.6 of
+    # the all-reduce as "1/100 ... <= 1/100 MISSED": the printed figures said met.
+    runs = {
+        "zero3": [_fake("zero3", "zero3", 0, 6.0)],
+        "decoupled": [_fake("decoupled", "decoupled", 0, 6.0 * 1.0204, 5, 3)],
+    }
+    b = QualityBench(Setup(seeds=1), runs, evaluator_params=1000, initial_loss=8.0, grad_bytes=4)
+    report = format_report(b)
+    assert "loss ratio 1.0204 (mean of 1 seed(s)" in report and "<= 1.02 MISSED" in report
+    b.grad_bytes *= 99.6 * 0.1 / b.allreduce_bytes_per_token()  # sent: 0.1 B per token
+    assert b.bytes_ratio(runs["decoupled"][0]) > BYTES_GOAL
+    assert "sent per token 1/99.6 of the all-reduce <= 1/100.0 MISSED" in format_report(b)
 
 
 def _upload(coord, island, fragment, base, step, tokens=100, steps=4):

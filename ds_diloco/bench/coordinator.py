@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_diloco import wire
+from ds_diloco.bench import shown
 from ds_diloco.client import CoordinatorClient, rank_slices
 from ds_diloco.config import CoordinatorConfig, ModelSource
 from ds_diloco.fragments import Fragment, FragmentPlan, ParamSpec, param_specs
@@ -136,6 +137,10 @@ class Comparison:
     @property
     def met(self) -> bool:
         return self.ratio >= self.goal
+
+    def shown_ratio(self) -> str:
+        """The ratio with the decimals that make it compare with the goal as the verdict."""
+        return shown(self.ratio, self.goal, self.met, at_most=False, least=2)[0]
 
     def verdict(self) -> str:
         return f"goal >= {self.goal:g}: {'met' if self.met else 'MISSED'}"
@@ -747,14 +752,14 @@ def format_report(
             f"{c.measured.bytes_per_s / 1e9:.2f} GB/s ({_ms(c.measured.median_s)}: merge "
             f"{_ms(p['merge_fragment'])} + step {_ms(p['nesterov_step'])})  vs copy "
             f"{c.baseline.bytes_per_s / 1e9:.2f} GB/s ({_ms(c.baseline.median_s)})  "
-            f"ratio {c.ratio:.2f}  ({c.verdict()}){mark}"
+            f"ratio {c.shown_ratio()}  ({c.verdict()}){mark}"
         )
     inproc = upload.phases["coordinator_upload_in_process"]
     lines += [
         f"(b) upload of {upload.measured.nbytes / 2**20:.1f} MiB over loopback: HTTP "
         f"{upload.measured.bytes_per_s / 1e6:.0f} MB/s ({_ms(upload.measured.median_s)})  vs raw "
         f"socket {upload.baseline.bytes_per_s / 1e6:.0f} MB/s ({_ms(upload.baseline.median_s)})  "
-        f"ratio {upload.ratio:.2f}  ({upload.verdict()})",
+        f"ratio {upload.shown_ratio()}  ({upload.verdict()})",
         f"    same body to Coordinator.upload in-process (decode, validate, copy into its row): "
         f"{_ms(inproc)}; the rest of the HTTP time (client, socket, aiohttp): "
         f"{_ms(upload.measured.median_s - inproc)}",

@@ -86,6 +86,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ds_diloco.bench import shown
 from ds_diloco.config import (
     CoordinatorConfig,
     DataConfig,
@@ -803,10 +804,11 @@ def _memory_lines(bench: IslandBench, rows: list[Row]) -> list[str]:
         )
         for m in mem:
             setup, step = (_anon(m.anon_extra_mb(k)) for k in ("setup_anon_mb", "step_anon_mb"))
+            extra, shard = shown(m.extra_mb(), m.shard_fp32_mb, m.met, least=1, sign="+")
             lines.append(
                 f"    {m.name:7s} plain {m.plain.peak_rss_mb:.1f} MB  ds_diloco "
-                f"{m.ds_diloco.peak_rss_mb:.1f} MB  extra {m.extra_mb():+.1f} MB  vs shard fp32 "
-                f"{m.shard_fp32_mb:.1f} MB  ({'met' if m.met else 'MISSED'}); extra before "
+                f"{m.ds_diloco.peak_rss_mb:.1f} MB  extra {extra} MB  vs shard fp32 "
+                f"{shard} MB  ({'met' if m.met else 'MISSED'}); extra before "
                 f"the first step {m.extra_mb('setup_rss_mb'):+.1f} MB{setup}, after a step "
                 f"{m.extra_mb('step_rss_mb'):+.1f} MB{step}; of the peak's, the base copy "
                 f"{m.base_copy_mb:.1f} MB and the rest {m.extra_mb() - m.base_copy_mb:+.1f} MB"
@@ -823,10 +825,11 @@ def _memory_lines(bench: IslandBench, rows: list[Row]) -> list[str]:
         lines.append(f"peak host memory (ru_maxrss; island = sum over ranks), {goal}:")
     for row in rows:
         verdict = "" if mem else f"  ({'met' if row.rss_met else 'MISSED'})"
+        extra, shard = shown(row.rss_extra_mb, row.shard_fp32_mb, row.rss_met, least=1, sign="+")
         lines.append(
             f"    {row.name:7s} plain {row.plain.peak_rss_mb:.1f} MB  ds_diloco "
-            f"{row.ds_diloco.peak_rss_mb:.1f} MB  extra {row.rss_extra_mb:+.1f} MB  vs shard "
-            f"fp32 {row.shard_fp32_mb:.1f} MB{verdict}"
+            f"{row.ds_diloco.peak_rss_mb:.1f} MB  extra {extra} MB  vs shard "
+            f"fp32 {shard} MB{verdict}"
         )
     lines.append(
         f"    (island peak RSS over launches: plain {plain[2]:.0f}..{plain[3]:.0f} MB, "
@@ -856,7 +859,8 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
     for row in rows:
         lines.append(
             f"    {row.name:7s} plain {_ms(row.plain.step_s)}  ds_diloco "
-            f"{_ms(row.ds_diloco.step_s)}  ratio {row.step_ratio:.3f}  "
+            f"{_ms(row.ds_diloco.step_s)}  ratio "
+            f"{shown(row.step_ratio, row.step_goal, row.step_met)[0]}  "
             f"({'met' if row.step_met else 'MISSED'})   [means: {_ms(row.plain.step_mean_s)} vs "
             f"{_ms(row.ds_diloco.step_mean_s)}, ratio "
             f"{row.ds_diloco.step_mean_s / row.plain.step_mean_s:.3f}]"
@@ -877,7 +881,8 @@ def format_report(bench: IslandBench, cfg: RunConfig) -> str:
         lines.append(
             f"    island  syncer off {_ms(pr['off_s'])}  on {_ms(pr['on_s'])} (medians over "
             f"launches)  ratio on / off, median of the launches' own: "
-            f"{pr['ratio']:.3f}  ({'met' if pr['met'] else 'MISSED'})  [per launch: "
+            f"{shown(pr['ratio'], STEP_GOAL, pr['met'])[0]}  "
+            f"({'met' if pr['met'] else 'MISSED'})  [per launch: "
             + ", ".join(
                 f"{r:.3f}{' (off first)' if o else ''}"
                 for r, o in zip(pr["ratios"], pr["off_first"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ds_diloco.bench import shown
 from ds_diloco.bench.quality import (
     BYTES_GOAL,
     FIXED,
@@ -101,12 +102,15 @@ def format_report(b: QualityBench, argv: str = "ds-diloco bench quality") -> str
     dec = b.summary("decoupled")
     br = statistics.fmean(b.bytes_ratio(r) for r in res["decoupled"])
     per_seed = ", ".join(f"{x:.3f}" for x in dec["ratios"])
-    verdict = "met" if dec["ratio_mean"] <= LOSS_GOAL else "MISSED"
+    met, bytes_met = dec["ratio_mean"] <= LOSS_GOAL, br <= BYTES_GOAL
+    ratio = shown(dec["ratio_mean"], LOSS_GOAL, met)[0]
+    # br <= goal reads as 1/br >= 1/goal: 1/99.6 must not print as 1/100 beside MISSED
+    per_token, per_goal = shown(1 / br, 1 / BYTES_GOAL, bytes_met, at_most=False, least=0)
     lines += [
-        f"  goals (Decoupled DiLoCo): loss ratio {dec['ratio_mean']:.3f} (mean of {seeds} "
+        f"  goals (Decoupled DiLoCo): loss ratio {ratio} (mean of {seeds} "
         f"seed(s): {per_seed}; sd {dec['ratio_sd']:.3f}, standard error {dec['ratio_se']:.3f}) "
-        f"<= {LOSS_GOAL} {verdict}; sent per token 1/{1 / br:.0f} of the all-reduce "
-        f"<= 1/{1 / BYTES_GOAL:.0f} {'met' if br <= BYTES_GOAL else 'MISSED'}",
+        f"<= {LOSS_GOAL} {'met' if met else 'MISSED'}; sent per token 1/{per_token} of the "
+        f"all-reduce <= 1/{per_goal} {'met' if bytes_met else 'MISSED'}",
     ]
     if "sync" in res:
         sy = b.summary("sync")
