@@ -766,3 +766,37 @@ def test_cli_plan_sweeps_quorums_and_recommends_per_size(tmp_path, capsys):
                        for r in here)  # fmt: skip
     assert cli_main([*argv[:-2], "--systems", "dp,elastic"]) == 2
     assert "--plan: recommends Decoupled DiLoCo settings" in capsys.readouterr().err
+
+
+def test_the_cli_says_what_each_size_asked_for_is_simulated_as(capsys):
+    # 1000 chips ran as 768 (whole slices) under the heading "1k", and --chips-per-island 500
+    # as islands of 256 and 512 chips, and nothing said so.
+    argv = ["simulate", "--chips", "1000,1024", "--days", "0.01", "--systems", "elastic,diloco"]
+    assert cli_main([*argv, "--islands", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated as (whole slices of 256 chips, --chips-per-slice):" in out, out
+    assert "  1k: 768 chips (3 slice(s); 232 below a whole slice, not used)\n" in out, out
+    assert "1024:" not in out, out  # simulated as asked: no line
+    assert cli_main([*argv, "--chips-per-island", "500"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  1k: 768 chips (3 slice(s); 232 below a whole slice, not used), M = 2 islands of 1-2 "
+        "slice(s), 256-512 chips each (not 500)\n" in out
+    ), out
+    assert (
+        "  1024: 1,024 chips (4 slice(s)), M = 2 islands of 2 slice(s), 512 chips each (not 500)"
+        in out
+    )
+    # No DiLoCo: no islands to speak of.
+    assert cli_main([*argv[:-1], "elastic", "--chips-per-island", "500"]) == 0
+    assert (
+        "  1k: 768 chips (3 slice(s); 232 below a whole slice, not used)\n"
+        in (out := capsys.readouterr().out)
+        and "islands" not in out
+    ), out
+    # Whole slices and islands as asked: nothing to say.
+    assert (
+        cli_main(["simulate", "--chips", "1024", "--days", "0.01", "--chips-per-island", "512"])
+        == 0
+    )
+    assert "simulated as" not in capsys.readouterr().out

@@ -156,6 +156,35 @@ def _published(system: str, chips: int, islands: int, quorum: int = 1) -> int | 
     return PUBLISHED.get(system, {}).get(chips)
 
 
+def sizes_note(requested: list[int], slice_chips: int, chips_per_island: int | None) -> str:
+    """What each size asked for runs as: whole slices (a remainder below one is not used,
+    ``SimConfig.chips``), and with ``--chips-per-island`` M = chips // it islands of whole
+    slices, so islands of other sizes than asked. "" if every size is simulated as asked.
+    Without it, 1000 chips ran as 768 under the heading 1k and nothing said so."""
+    lines = []
+    for n in dict.fromkeys(requested):
+        slices, left = divmod(n, slice_chips)
+        line = f"  {_short(n)}: {slices * slice_chips:,} chips ({slices} slice(s)"
+        line += f"; {left:,} below a whole slice, not used)" if left else ")"
+        exact = not left
+        if chips_per_island is not None:  # islands: contiguous blocks of slices (diloco.py)
+            m = n // chips_per_island
+            lo, hi = slices // m, -(-slices // m)
+            each, chips = f"{lo}", f"{lo * slice_chips:,}"
+            if lo != hi:
+                each, chips = f"{lo}-{hi}", f"{chips}-{hi * slice_chips:,}"
+            line += f", M = {m} islands of {each} slice(s), {chips} chips each"
+            if lo != hi or lo * slice_chips != chips_per_island:
+                line, exact = f"{line} (not {chips_per_island:,})", False
+        if not exact:
+            lines.append(line)
+    if not lines:
+        return ""
+    per = "" if chips_per_island is None else f", --chips-per-island {chips_per_island:,}"
+    head = f"simulated as (whole slices of {slice_chips} chips, --chips-per-slice{per}):"
+    return "\n".join([head, *lines, ""])
+
+
 def tables(result: Result, requested: list[int], slice_chips: int) -> str:
     """Goodput and uptime, % by cluster size; published goodput in brackets."""
     cols = sorted({_nominal(r.chips, requested, slice_chips) for r in result.rows})
@@ -293,6 +322,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         print()
     else:
         print(tables(result, args.chips, cfg.chips_per_slice))
+        cpi = args.chips_per_island if "diloco" in cfg.systems else None  # M: DiLoCo's
+        if note := sizes_note(args.chips, cfg.chips_per_slice, cpi):
+            print(note)
         if args.breakdown or len(args.chips) == 1:
             print(breakdown(result, args.chips, cfg.chips_per_slice))
         for p in planned:
