@@ -626,6 +626,10 @@ def test_cli_rejects_a_bad_parameter_with_one_line(capsys):
     assert "--days must be a finite number > 0" in capsys.readouterr().err  # named by flag
     assert cli_main(["simulate", "--chips", "150k", "--overlap", "0"]) == 2
     assert "--overlap (tau) must be >= 1" in capsys.readouterr().err
+    # Over H: the message named [0, H), and 0 was then refused.
+    assert cli_main(["simulate", "--chips", "150k", "--overlap", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "--overlap (tau) must be >= 1 for the grace-window policy and < sync_every=24" in err
     assert cli_main(["simulate", "--chips", "150k", "--grace-gamma", "1"]) == 2
     assert "--grace-gamma must be in [0, 1)" in capsys.readouterr().err
     assert cli_main(["simulate", "--chips", "150k", "--jobs", "0"]) == 2

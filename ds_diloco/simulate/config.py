@@ -274,10 +274,10 @@ class SimConfig:
         if self.sync_every % self.num_fragments:
             raise bad("sync_every", f"(H) must be a multiple of num_fragments "
                       f"(P={self.num_fragments}) so that fragments are evenly staggered")  # fmt: skip
-        if not 0 <= self.overlap < self.sync_every:
-            raise bad("overlap", f"(tau) must be in [0, sync_every={self.sync_every})")
-        if self.overlap < 1:
-            raise bad("overlap", "(tau) must be >= 1 for the grace-window policy")
+        # Both bounds in one message: "in [0, sync_every)" sent a user to 0, then refused it.
+        if not 1 <= self.overlap < self.sync_every:
+            raise bad("overlap", f"(tau) must be >= 1 for the grace-window policy and < "
+                      f"sync_every={self.sync_every}")  # fmt: skip
         self.systems = tuple(dict.fromkeys(self.systems))  # one row each, in order
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems:
