@@ -197,6 +197,12 @@ class CoordinatorClient:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def forget_interrupt(self) -> None:
+        """Drop an :meth:`interrupt` of this thread whose request had ended already (or
+        that its request did not see): it would stop this thread's next request."""
+        with self._conns_lock:
+            self._interrupted.discard(threading.current_thread())
+
     def _check_interrupt(self) -> None:
         with self._conns_lock:
             me = threading.current_thread()

@@ -353,6 +353,10 @@ class FragmentSyncer:
         # every poll_s, the two threads woke up to 40 times a second between steps, each
         # time taking the GIL from training.
         self._wake = threading.Event()
+        # The downloader's long poll under way: the versions it asks after (None: none, or
+        # its answer is being read), and whether _recast cut it short (see there).
+        self._polling: list[int] | None = None
+        self._cut = False
         self._paused = False  # the flush reads the bases: the downloader starts no fetch
         self._flushing = False  # every base holding an upload is fetched again (flush)
         self._flush_lost = 0  # the flush's uploads that failed or were refused
@@ -904,6 +908,10 @@ class FragmentSyncer:
         claimed: list[int] = []
 
         def claim(i: int) -> bool:  # the answer is fragment i: take its slot, if still wanted
+            with self._lock:
+                if self._cut:  # cut short (_recast): asked again, for what is wanted now
+                    return False
+                self._polling = None  # its body is read now: no cut from here on
             self.slots[i].lock.acquire()
             claimed.append(i)
             if self._wanted()[i] != known[i]:  # a send took it meanwhile: not now
@@ -913,18 +921,31 @@ class FragmentSyncer:
 
         info: dict = {}
         got, error = None, None
+        with self._lock:
+            self._polling, self._cut = known, False
+        # An upload done since ``wanted`` was read found no poll to cut (_recast): its
+        # fragment would be left out for the whole poll. Asked again at once instead.
+        if any(w is not None and w < k for w, k in zip(self._wanted(), known)):
+            with self._lock:
+                self._polling = None
+            return None
         try:
             got = self.client.download_next(
                 known, self.world_size, self.rank, dests, claim, wait,
                 island=self.island, keep=keep, epoch=epoch, info=info, run=self.run,
             )  # fmt: skip
         except Exception as e:
-            if not claimed:
-                self._note_refusal(e)
-                raise
             error = e  # after the answer named its fragment: _took judges it
+        finally:
+            with self._lock:
+                self._polling, cut = None, self._cut
+            if cut:  # its interrupt may have come after the request ended
+                self.client.forget_interrupt()
         if not claimed:
-            return got.versions
+            if error is not None and not cut:  # (cut: no failure, asked again at once)
+                self._note_refusal(error)
+                raise error
+            return None if got is None else got.versions
         i = claimed[0]
         try:
             if error is not None or got.version is not None:  # (None: claim said no)
@@ -1051,6 +1072,20 @@ class FragmentSyncer:
             del body
             self._uploads.task_done()
             self._wake.set()  # the base is free to download into, or must be fetched again
+            self._recast(index)
+
+    def _recast(self, index: int) -> None:
+        """The upload of fragment ``index`` is done: cut the downloader's long poll short if
+        it leaves that fragment out (it started while the upload was being sent, or before
+        it), so that the next poll asks for its result. That result, merged before the
+        upload's reply was taken in, waited for the poll to time out (up to
+        ``long_poll_s``) while the island trained on stale values, and came late for its
+        step. One request more per upload at most, and no failure: the poll is asked again."""
+        with self._lock:
+            if self._polling is None or self._cut or self._polling[index] != _NEVER:
+                return
+            self._cut = True
+            self.client.interrupt(self._threads[1])
 
     def _stage_on_device(self, local: dict[str, torch.Tensor]) -> bool:
         """Stage this send on the GPU: the shard is there and no other send is staged (at

@@ -1429,6 +1429,34 @@ def test_a_flush_gets_its_result_without_waiting_out_a_long_poll(tiny_config_pat
             s.close(timeout=5)
 
 
+def test_a_result_merged_before_its_upload_reply_was_handled_comes_without_a_long_poll(
+    tiny_config_path, tmp_path
+):
+    # Training, not a flush: the fragment sent at step 6 is merged on arrival (K = 1) and
+    # published while its upload replies are still being taken in. The long poll that
+    # answered with it found it "sending" (not claimed); the next left it out, and the
+    # result waited for that poll to time out (long_poll_s: 20 s here, 2 s by default,
+    # while the island trained on stale values and applied it late).
+    with ServerThread(coordinator_config(tmp_path, tiny_config_path, quorum=1)) as srv:
+        client = _SlowReplies(srv.url, "t", retries=0)
+        model = model_from(tiny_config_path, 0)
+        ranks = island_syncers(srv, client, "isl", model, 2, long_poll_s=20, align_phase=True)
+        run_threads(*[lambda s=s: (s.bootstrap(), train(s, range(1, 6))) for s in ranks])
+        assert srv.coord.versions() == [1, 1] and all(s.versions() == [1, 1] for s in ranks)
+        time.sleep(0.3)  # the downloaders are in their long polls for both fragments
+        client.slow = True
+        t0 = time.monotonic()
+        run_threads(*[lambda s=s: train(s, range(6, 7)) for s in ranks])  # sends fragment 0
+        wait_for(lambda: all(s.slots[0].version == 2 for s in ranks), timeout=40)
+        took = time.monotonic() - t0
+        assert took < 5, took  # 0.6 s; 20 s when the result waited for the poll's end
+        run_threads(*[lambda s=s: train(s, range(7, 8)) for s in ranks])  # applied on time
+        assert all(s.versions() == [2, 1] and s.stats.applied_late == 0 for s in ranks)
+        for s in ranks:
+            s.close(timeout=5)
+        assert all(s.stats.failed == 0 for s in ranks)  # a poll cut short is no failure
+
+
 def test_a_pseudo_gradient_is_sent_from_the_base_and_no_download_writes_it_meanwhile(
     tiny_config_path, tmp_path, monkeypatch
 ):
