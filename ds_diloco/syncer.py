@@ -71,10 +71,6 @@ IDLE_GAPS = 4.0
 model's, lost its lease every step at a fixed two minutes, though it trained on."""
 TAKE_GLOBAL_TIMEOUT_S = 120.0  # take_global gives up (on every rank together) after this
 GONE_RETRY_S = 10.0  # finish(): how long a coordinator found gone is tried once more
-FLUSH_POLL_S = 0.2
-"""The downloader's longest poll while a flush's upload is still being sent: that fragment
-is left out of the poll (its base is the body), and its result, merged meanwhile, waited
-for the poll to time out (``long_poll_s``) with the island idle at its end."""
 
 
 def _answers(client: CoordinatorClient) -> bool:
@@ -902,9 +898,6 @@ class FragmentSyncer:
             for f, s, w in zip(self.plan.fragments, self.slots, wanted)
         ]  # fmt: skip
         dests = [_Dest(s, self._sizes[f.index]) for f, s in zip(self.plan.fragments, self.slots)]
-        with self._lock:  # see FLUSH_POLL_S
-            sending = self._flushing and any(s.sending for s in self.slots)
-        wait = min(self.long_poll_s, FLUSH_POLL_S) if sending else self.long_poll_s
         claimed: list[int] = []
 
         def claim(i: int) -> bool:  # the answer is fragment i: take its slot, if still wanted
@@ -931,7 +924,7 @@ class FragmentSyncer:
             return None
         try:
             got = self.client.download_next(
-                known, self.world_size, self.rank, dests, claim, wait,
+                known, self.world_size, self.rank, dests, claim, self.long_poll_s,
                 island=self.island, keep=keep, epoch=epoch, info=info, run=self.run,
             )  # fmt: skip
         except Exception as e:
